@@ -1,0 +1,388 @@
+//! The PTX builder: turns `kernels-gpu` into one PTX module, and (with `ptxas`) into a resource
+//! report. Used by `host/build.rs` (so a plain `cargo build` of the host embeds fresh PTX) and by
+//! `cargo xtask build-ptx` (which also assembles and checks every entry point).
+//!
+//! Steps, each a fact recorded in `../shared/TOOLCHAIN.md`:
+//! 1. the nightly toolchain (`LMHEAD_NIGHTLY`, default `nightly`) gets the `rust-src` and
+//!    `llvm-tools` components if they are missing;
+//! 2. `cargo build --release --target nvptx64-nvidia-cuda -Zbuild-std=core` with fat LTO, and a
+//!    linker shim (`-C linker=`) that keeps the LTO'd bitcode instead of calling the missing
+//!    `llvm-bitcode-linker`;
+//! 3. `llc -O3 -mcpu=sm_90a -mattr=+ptx80` from the nightly's `llvm-tools`;
+//! 4. every entry gets `.maxntid <threads>, 1, 1` from the candidate tables, so `ptxas` knows the
+//!    block size it allocates registers for;
+//! 5. optionally `ptxas -arch=sm_90a -v` (PyPI wheel `nvidia-cuda-nvcc`, fetched into `.tools/`).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use lmhead_core::config::{fixed, kernel_name, Family};
+
+pub type Result<T> = std::result::Result<T, String>;
+
+/// The pinned ptxas wheel.
+pub const PTXAS_WHEEL: &str = "nvidia-cuda-nvcc==13.5.37";
+/// The GPU architecture everything is built for (H100/H200 with the `a` features: wgmma, setmaxnreg).
+pub const ARCH: &str = "sm_90a";
+
+/// Entry points allowed a stack frame or spills, with the reason. Empty: every kernel must have
+/// 0 bytes of stack and no spills.
+pub const RESOURCE_ALLOWLIST: &[(&str, &str)] = &[];
+
+/// Where the builder works.
+#[derive(Clone, Debug)]
+pub struct Paths {
+    /// The repository root (holds `kernels-gpu/`).
+    pub root: PathBuf,
+    /// Cargo target directory of the nvptx build.
+    pub target_dir: PathBuf,
+}
+
+impl Paths {
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        let root = root.into();
+        let target_dir = root.join("target").join("kernels");
+        Self { root, target_dir }
+    }
+
+    pub fn kernel_dir(&self) -> PathBuf {
+        self.root.join("kernels-gpu")
+    }
+
+    pub fn tools_dir(&self) -> PathBuf {
+        self.root.join(".tools")
+    }
+}
+
+/// The toolchain the kernels are built with.
+pub fn nightly() -> String {
+    std::env::var("LMHEAD_NIGHTLY").unwrap_or_else(|_| "nightly".into())
+}
+
+fn run(cmd: &mut Command, what: &str) -> Result<std::process::Output> {
+    let out = cmd.output().map_err(|e| format!("{what}: could not start {cmd:?}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{what} failed ({}):\n{}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    Ok(out)
+}
+
+/// A `rustup run <nightly> <tool>` command with the outer cargo's environment removed, so that a
+/// build script's `RUSTC`, `RUSTFLAGS`, target dir and jobserver do not leak into the nested build.
+fn nightly_command(tool: &str) -> Command {
+    let mut cmd = Command::new("rustup");
+    cmd.arg("run").arg(nightly()).arg(tool);
+    for (k, _) in std::env::vars_os() {
+        let k = k.to_string_lossy().into_owned();
+        let leak = k.starts_with("CARGO_")
+            || k.starts_with("RUSTC")
+            || k.starts_with("RUSTDOC")
+            || matches!(
+                k.as_str(),
+                "RUSTFLAGS" | "RUSTUP_TOOLCHAIN" | "OUT_DIR" | "TARGET" | "HOST" | "NUM_JOBS" | "OPT_LEVEL" | "PROFILE" | "DEBUG"
+            );
+        if leak && k != "CARGO_HOME" {
+            cmd.env_remove(&k);
+        }
+    }
+    cmd
+}
+
+/// Make sure the nightly toolchain exists and has `rust-src` and `llvm-tools`; install the
+/// components if missing (prints what it does to stderr).
+pub fn ensure_toolchain() -> Result<()> {
+    let tc = nightly();
+    let out = Command::new("rustup")
+        .args(["component", "list", "--installed", "--toolchain", &tc])
+        .output()
+        .map_err(|e| format!("rustup is needed to build the kernels (not found: {e})"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "the toolchain `{tc}` is not installed (set LMHEAD_NIGHTLY to another nightly): {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let installed = String::from_utf8_lossy(&out.stdout);
+    let missing: Vec<&str> = ["rust-src", "llvm-tools"]
+        .into_iter()
+        .filter(|c| !installed.lines().any(|l| l.starts_with(c)))
+        .collect();
+    if !missing.is_empty() {
+        eprintln!("lmhead-build: installing {missing:?} for toolchain {tc}");
+        let mut cmd = Command::new("rustup");
+        cmd.args(["component", "add", "--toolchain", &tc]).args(&missing);
+        run(&mut cmd, "rustup component add")?;
+    }
+    Ok(())
+}
+
+/// Directory of `llc` and friends in the nightly sysroot.
+pub fn llvm_bin() -> Result<PathBuf> {
+    let out = run(nightly_command("rustc").arg("--print").arg("sysroot"), "rustc --print sysroot")?;
+    let sysroot = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let host = run(nightly_command("rustc").arg("-vV"), "rustc -vV")?;
+    let host = String::from_utf8_lossy(&host.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("host: ").map(str::to_string))
+        .ok_or("rustc -vV printed no host triple")?;
+    Ok(PathBuf::from(sysroot).join("lib/rustlib").join(host).join("bin"))
+}
+
+const LINKER_SHIM: &str = r#"#!/bin/sh
+# Linker shim for the nvptx64 build (written by lmhead-build): rustc hands the linker the
+# fat-LTO bitcode object and the output path; keep the bitcode beside the output as `<out>.bc`.
+out=""; obj=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -o) out="$2"; shift ;;
+    *.o) obj="$1" ;;
+  esac
+  shift
+done
+[ -n "$out" ] && [ -n "$obj" ] || { echo "lmhead linker shim: no -o or .o in arguments" >&2; exit 1; }
+cp "$obj" "$out.bc" && : > "$out"
+"#;
+
+/// Threads per block of every entry point, from the candidate tables.
+pub fn entry_threads() -> BTreeMap<String, u32> {
+    let mut m = BTreeMap::new();
+    for f in Family::ALL {
+        for &c in f.candidates() {
+            m.insert(kernel_name(f, c), c.threads());
+        }
+    }
+    for name in fixed::ALL {
+        m.insert(name.to_string(), fixed::THREADS);
+    }
+    m
+}
+
+/// Insert `.maxntid` after the parameter list of every known entry. Fails on an entry that is
+/// not in the tables (it would run with an unknown block size).
+pub fn add_launch_bounds(ptx: &str) -> Result<String> {
+    let threads = entry_threads();
+    let mut out = String::with_capacity(ptx.len() + 64 * threads.len());
+    let mut pending: Option<u32> = None;
+    let mut seen = 0usize;
+    for line in ptx.lines() {
+        if let Some(rest) = line.trim_start().strip_prefix(".visible .entry ") {
+            let name = rest.split('(').next().unwrap_or("").trim();
+            let t = *threads.get(name).ok_or_else(|| format!("PTX entry `{name}` is not in the candidate tables"))?;
+            pending = Some(t);
+            seen += 1;
+        }
+        out.push_str(line);
+        out.push('\n');
+        if pending.is_some() && line.trim() == ")" {
+            let t = pending.take().unwrap();
+            writeln!(out, ".maxntid {t}, 1, 1").unwrap();
+        }
+    }
+    if seen != threads.len() {
+        return Err(format!("PTX has {seen} entries, the tables name {}", threads.len()));
+    }
+    Ok(out)
+}
+
+/// Build the kernels and return the PTX text (with launch bounds).
+pub fn build_ptx(paths: &Paths) -> Result<String> {
+    ensure_toolchain()?;
+    std::fs::create_dir_all(&paths.target_dir).map_err(|e| e.to_string())?;
+    let shim = paths.target_dir.join("lmhead-linker-shim.sh");
+    std::fs::write(&shim, LINKER_SHIM).map_err(|e| format!("writing {}: {e}", shim.display()))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&shim, std::fs::Permissions::from_mode(0o755)).map_err(|e| e.to_string())?;
+    }
+    let rustflags = format!("-C target-cpu={ARCH} -C target-feature=+ptx80 -C linker={}", shim.display());
+    let mut cmd = nightly_command("cargo");
+    cmd.args(["build", "--release", "--target", "nvptx64-nvidia-cuda", "-Zbuild-std=core", "--manifest-path"])
+        .arg(paths.kernel_dir().join("Cargo.toml"))
+        .arg("--target-dir")
+        .arg(&paths.target_dir)
+        .env("RUSTFLAGS", rustflags);
+    run(&mut cmd, "building kernels-gpu for nvptx64")?;
+    let bc = paths.target_dir.join("nvptx64-nvidia-cuda/release/deps/lmhead_kernels.ptx.bc");
+    if !bc.exists() {
+        return Err(format!("the linker shim left no bitcode at {}", bc.display()));
+    }
+    let raw = paths.target_dir.join("lmhead_kernels.raw.ptx");
+    let llc = llvm_bin()?.join("llc");
+    let mut cmd = Command::new(&llc);
+    cmd.args(["-O3", &format!("-mcpu={ARCH}"), "-mattr=+ptx80"]).arg(&bc).arg("-o").arg(&raw);
+    run(&mut cmd, "llc")?;
+    let ptx = std::fs::read_to_string(&raw).map_err(|e| e.to_string())?;
+    add_launch_bounds(&ptx)
+}
+
+/// Find `ptxas`: `LMHEAD_PTXAS`, then the `.tools/` cache. With `install`, fetch the pinned wheel
+/// with pip and extract `ptxas` into the cache.
+pub fn ptxas(paths: &Paths, install: bool) -> Result<Option<PathBuf>> {
+    if let Ok(p) = std::env::var("LMHEAD_PTXAS") {
+        return Ok(Some(PathBuf::from(p)));
+    }
+    let cached = paths.tools_dir().join("ptxas");
+    if cached.exists() {
+        return Ok(Some(cached));
+    }
+    if !install {
+        return Ok(None);
+    }
+    eprintln!("lmhead-build: fetching ptxas from the PyPI wheel {PTXAS_WHEEL} into {}", paths.tools_dir().display());
+    let dl = paths.tools_dir().join("wheel");
+    std::fs::create_dir_all(&dl).map_err(|e| e.to_string())?;
+    let python = if Command::new("python3").arg("--version").output().is_ok() { "python3" } else { "python" };
+    let mut cmd = Command::new(python);
+    cmd.args(["-m", "pip", "download", "--quiet", "--no-deps", PTXAS_WHEEL, "-d"]).arg(&dl);
+    run(&mut cmd, "pip download")?;
+    let extract = format!(
+        "import glob,zipfile,sys\nw=sorted(glob.glob(sys.argv[1]+'/nvidia_cuda_nvcc-*.whl'))[-1]\nz=zipfile.ZipFile(w)\nopen(sys.argv[2],'wb').write(z.read('nvidia/cu13/bin/ptxas'))\n"
+    );
+    let tmp = paths.tools_dir().join("ptxas.part");
+    let mut cmd = Command::new(python);
+    cmd.args(["-c", &extract]).arg(&dl).arg(&tmp);
+    run(&mut cmd, "extracting ptxas from the wheel")?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755)).map_err(|e| e.to_string())?;
+    }
+    std::fs::rename(&tmp, &cached).map_err(|e| e.to_string())?;
+    let _ = std::fs::remove_dir_all(&dl);
+    Ok(Some(cached))
+}
+
+/// What `ptxas -v` reports for one function.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Resources {
+    pub registers: u32,
+    pub stack: u32,
+    pub spill_stores: u32,
+    pub spill_loads: u32,
+    pub static_smem: u32,
+    pub is_entry: bool,
+}
+
+/// Parse `ptxas -v` output into per-function resources.
+pub fn parse_ptxas(report: &str) -> BTreeMap<String, Resources> {
+    let mut out: BTreeMap<String, Resources> = BTreeMap::new();
+    let mut cur: Option<String> = None;
+    for line in report.lines() {
+        if let Some(i) = line.find("Compiling entry function '") {
+            let rest = &line[i + "Compiling entry function '".len()..];
+            let name = rest.split('\'').next().unwrap_or("").to_string();
+            out.entry(name.clone()).or_default().is_entry = true;
+            cur = Some(name);
+        } else if let Some(i) = line.find("Function properties for ") {
+            let name = line[i + "Function properties for ".len()..].trim().to_string();
+            out.entry(name.clone()).or_default();
+            cur = Some(name);
+        } else if let Some(name) = &cur {
+            let r = out.get_mut(name).unwrap();
+            let nums = |s: &str, key: &str| -> Option<u32> {
+                let i = s.find(key)?;
+                s[..i].split_whitespace().last()?.parse().ok()
+            };
+            if line.contains("stack frame") {
+                r.stack = nums(line, "bytes stack frame").unwrap_or(0);
+                r.spill_stores = nums(line, "bytes spill stores").unwrap_or(0);
+                r.spill_loads = nums(line, "bytes spill loads").unwrap_or(0);
+            }
+            if let Some(n) = nums(line, "registers") {
+                r.registers = n;
+            }
+            if let Some(n) = nums(line, "bytes smem") {
+                r.static_smem = n;
+            }
+        }
+    }
+    out
+}
+
+/// Assemble `ptx` with `ptxas` and return the parsed report (and write the cubin beside it).
+pub fn assemble(ptxas: &Path, ptx_path: &Path, cubin: &Path) -> Result<BTreeMap<String, Resources>> {
+    let mut cmd = Command::new(ptxas);
+    cmd.args([&format!("-arch={ARCH}"), "-v"]).arg(ptx_path).arg("-o").arg(cubin);
+    let out = run(&mut cmd, "ptxas")?;
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    Ok(parse_ptxas(&text))
+}
+
+/// The resource table, and the list of violations (stack, spills, non-inlined functions) that
+/// the allowlist does not excuse.
+pub fn resource_table(res: &BTreeMap<String, Resources>) -> (String, Vec<String>) {
+    let threads = entry_threads();
+    let mut table = String::new();
+    writeln!(table, "{:<48} {:>7} {:>5} {:>8} {:>6} {:>7}", "entry", "threads", "regs", "smem_dyn", "stack", "spills").unwrap();
+    let mut bad = Vec::new();
+    for (name, r) in res {
+        if !r.is_entry {
+            bad.push(format!("`{name}` is a separate device function (not inlined): calls cost a stack frame"));
+            continue;
+        }
+        let smem = smem_of(name).map(|b| b.to_string()).unwrap_or_else(|| "-".into());
+        writeln!(
+            table,
+            "{:<48} {:>7} {:>5} {:>8} {:>6} {:>7}",
+            name,
+            threads.get(name).copied().unwrap_or(0),
+            r.registers,
+            smem,
+            r.stack,
+            r.spill_stores + r.spill_loads
+        )
+        .unwrap();
+        let excused = RESOURCE_ALLOWLIST.iter().any(|(n, _)| n == name);
+        if (r.stack > 0 || r.spill_stores > 0 || r.spill_loads > 0) && !excused {
+            bad.push(format!("`{name}`: {} bytes stack, {} + {} bytes spilled", r.stack, r.spill_stores, r.spill_loads));
+        }
+    }
+    (table, bad)
+}
+
+/// Dynamic shared memory of an entry, from its config.
+fn smem_of(name: &str) -> Option<usize> {
+    for f in Family::ALL {
+        for &c in f.candidates() {
+            if kernel_name(f, c) == name {
+                return Some(c.smem_bytes());
+            }
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_ptxas_report() {
+        let text = "ptxas info    : 0 bytes gmem\nptxas info    : Compiling entry function 'k1' for 'sm_90a'\nptxas info    : Function properties for k1\n    24 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads\nptxas info    : Used 164 registers, used 1 barriers, 24 bytes cumulative stack size\nptxas info    : Function properties for helper\n    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n";
+        let r = parse_ptxas(text);
+        assert_eq!(r["k1"], Resources { registers: 164, stack: 24, spill_stores: 8, spill_loads: 4, static_smem: 0, is_entry: true });
+        assert!(!r["helper"].is_entry);
+        let (_, bad) = resource_table(&r);
+        assert_eq!(bad.len(), 2, "{bad:?}");
+    }
+
+    #[test]
+    fn launch_bounds_follow_the_tables() {
+        let mut ptx = String::new();
+        for (name, _) in entry_threads() {
+            ptx.push_str(&format!(".visible .entry {name}(\n\t.param .align 8 .b8 {name}_param_0[96]\n)\n{{\n\tret;\n}}\n"));
+        }
+        let out = add_launch_bounds(&ptx).unwrap();
+        assert_eq!(out.matches(".maxntid").count(), entry_threads().len());
+        assert!(out.contains(".maxntid 256, 1, 1"));
+        assert!(add_launch_bounds(".visible .entry unknown(\n)\n{\n}\n").is_err());
+    }
+}

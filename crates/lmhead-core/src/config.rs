@@ -1,0 +1,244 @@
+//! Tile configurations and the candidate tables: one definition for the PTX build (which
+//! instantiates exactly these entry points) and the host (which may choose only among them).
+//!
+//! A config is a value on the host and a set of const generics on the device. Each kernel family
+//! has a named fallback config (no `Default`): the one used when tuning is off.
+
+/// The tuned kernel families. Each (family, config) pair is one PTX entry point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "std", derive(serde::Serialize, serde::Deserialize))]
+pub enum Family {
+    /// Forward mainloop, log-prob only: writes per-split `(m, s, t = 0, label logit)` partials.
+    Fwd,
+    /// Forward mainloop with the entropy sums.
+    FwdEnt,
+    /// Backward: recompute a logits chunk and write bf16 d-logits (log-prob gradient only).
+    BwdDlogits,
+    /// Backward d-logits with the entropy gradient term.
+    BwdDlogitsEnt,
+    /// Backward `dh (+)= dlogits · W_chunk` (A K-major, B N-major, f32 accumulator).
+    BwdDh,
+    /// Backward `dW_chunk = dlogitsᵀ · h` (A M-major, B N-major).
+    BwdDw,
+}
+
+impl Family {
+    pub const ALL: [Family; 6] =
+        [Family::Fwd, Family::FwdEnt, Family::BwdDlogits, Family::BwdDlogitsEnt, Family::BwdDh, Family::BwdDw];
+
+    /// The stem of the entry-point names of this family.
+    pub const fn stem(self) -> &'static str {
+        match self {
+            Family::Fwd => "lm_head_fwd",
+            Family::FwdEnt => "lm_head_fwd_ent",
+            Family::BwdDlogits => "lm_head_bwd_dlogits",
+            Family::BwdDlogitsEnt => "lm_head_bwd_dlogits_ent",
+            Family::BwdDh => "lm_head_bwd_dh",
+            Family::BwdDw => "lm_head_bwd_dw",
+        }
+    }
+
+    /// Whether this family's tile dims are named after the LM head (`t`, `v`, `d`) or a GEMM
+    /// (`m`, `n`, `k`) in entry names.
+    pub const fn lm_dims(self) -> bool {
+        matches!(self, Family::Fwd | Family::FwdEnt | Family::BwdDlogits | Family::BwdDlogitsEnt)
+    }
+
+    /// The candidates compiled for this family, known-good first; index 0 is the fallback.
+    pub const fn candidates(self) -> &'static [TileConfig] {
+        match self {
+            Family::Fwd | Family::FwdEnt | Family::BwdDlogits | Family::BwdDlogitsEnt => LOGITS_CANDIDATES,
+            Family::BwdDh | Family::BwdDw => GEMM_CANDIDATES,
+        }
+    }
+
+    /// The config used when tuning is off (`LMHEAD_AUTOTUNE=0`) or has not run.
+    pub const fn fallback(self) -> TileConfig {
+        self.candidates()[0]
+    }
+}
+
+/// One point of the tuning space. `T≙M, V≙N, D≙K` for the logits kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "std", derive(serde::Serialize, serde::Deserialize))]
+pub struct TileConfig {
+    /// Rows of the output tile (tokens for the logits kernels).
+    pub bm: u16,
+    /// Columns of the output tile (vocab for the logits kernels).
+    pub bn: u16,
+    /// Depth of one pipeline stage along the reduction dimension.
+    pub bk: u16,
+    /// Shared-memory pipeline stages.
+    pub stages: u8,
+    /// Warps along M.
+    pub warps_m: u8,
+    /// Warps along N.
+    pub warps_n: u8,
+}
+
+const fn tc(bm: u16, bn: u16, bk: u16, stages: u8, warps_m: u8, warps_n: u8) -> TileConfig {
+    TileConfig { bm, bn, bk, stages, warps_m, warps_n }
+}
+
+/// Candidates of the logits mainloop (forward and backward d-logits).
+pub const LOGITS_CANDIDATES: &[TileConfig] = &[
+    tc(128, 128, 32, 4, 2, 4),
+    tc(128, 128, 64, 3, 2, 4),
+    tc(128, 256, 32, 3, 2, 4),
+    tc(256, 128, 32, 3, 4, 2),
+    tc(64, 128, 64, 3, 2, 2),
+    tc(128, 64, 64, 3, 2, 2),
+    tc(64, 64, 64, 4, 2, 2),
+];
+
+/// Candidates of the backward GEMMs.
+pub const GEMM_CANDIDATES: &[TileConfig] = &[
+    tc(128, 128, 32, 4, 2, 4),
+    tc(128, 256, 32, 3, 2, 4),
+    tc(256, 128, 32, 3, 4, 2),
+    tc(128, 128, 64, 3, 2, 4),
+    tc(64, 128, 32, 4, 2, 2),
+    tc(64, 64, 64, 4, 2, 2),
+];
+
+/// The shared memory an H200 block may use at most (227 KiB).
+pub const MAX_SMEM_PER_BLOCK: usize = 227 * 1024;
+
+impl TileConfig {
+    pub const fn warps(self) -> u32 {
+        self.warps_m as u32 * self.warps_n as u32
+    }
+
+    pub const fn threads(self) -> u32 {
+        32 * self.warps()
+    }
+
+    /// Rows of one warp's tile.
+    pub const fn warp_m(self) -> usize {
+        self.bm as usize / self.warps_m as usize
+    }
+
+    /// Columns of one warp's tile.
+    pub const fn warp_n(self) -> usize {
+        self.bn as usize / self.warps_n as usize
+    }
+
+    /// Shared memory of the operand ring: `(bm + bn) · bk · stages` bf16 elements.
+    pub const fn ring_bytes(self) -> usize {
+        (self.bm as usize + self.bn as usize) * self.bk as usize * self.stages as usize * 2
+    }
+
+    /// Shared memory the forward's final cross-warp reduction needs: one `(m, s, t, z)` f32x4 per
+    /// (warp along N, row).
+    pub const fn reduce_bytes(self) -> usize {
+        self.warps_n as usize * self.bm as usize * 16
+    }
+
+    /// Dynamic shared memory a launch of this config asks for (the ring is reused for the
+    /// reduction after the mainloop).
+    pub const fn smem_bytes(self) -> usize {
+        let a = self.ring_bytes();
+        let b = self.reduce_bytes();
+        if a > b {
+            a
+        } else {
+            b
+        }
+    }
+
+    /// Whether the const generics satisfy every structural rule of the device mainloop. The
+    /// device asserts the same rules at compile time; this lets the host and the tests check the
+    /// tables without building PTX.
+    pub const fn is_well_formed(self) -> bool {
+        let (wm, wn) = (self.warp_m(), self.warp_n());
+        self.warps_m > 0
+            && self.warps_n > 0
+            && self.bm as usize % self.warps_m as usize == 0
+            && self.bn as usize % self.warps_n as usize == 0
+            // Warp tiles are whole m16 and (pairs of) n8 MMA tiles.
+            && wm % 16 == 0
+            && wn % 16 == 0
+            // ldmatrix reads 16-byte rows; the swizzle needs 32- or 64-element deep stages.
+            && (self.bk == 32 || self.bk == 64)
+            // Loads of the ring: every thread moves whole 16-byte chunks in each stage.
+            && (self.bm as usize * self.bk as usize / 8) % (self.threads() as usize) == 0
+            && (self.bn as usize * self.bk as usize / 8) % (self.threads() as usize) == 0
+            // M-major operands: bm (bn) columns of 16-byte chunks spread evenly too.
+            && self.bm % 64 == 0
+            && self.bn % 64 == 0
+            && self.stages >= 2
+            && self.smem_bytes() <= MAX_SMEM_PER_BLOCK
+    }
+
+    /// The part of an entry name after the family stem, e.g. `t128_v128_d32_s4_w2x4`.
+    #[cfg(feature = "std")]
+    pub fn suffix(self, family: Family) -> std::string::String {
+        let (m, n, k) = if family.lm_dims() { ("t", "v", "d") } else { ("m", "n", "k") };
+        std::format!(
+            "{m}{}_{n}{}_{k}{}_s{}_w{}x{}",
+            self.bm, self.bn, self.bk, self.stages, self.warps_m, self.warps_n
+        )
+    }
+}
+
+/// The PTX entry name of `family` at `cfg`: the one function that names kernels, for the PTX
+/// build and for the host.
+#[cfg(feature = "std")]
+pub fn kernel_name(family: Family, cfg: TileConfig) -> std::string::String {
+    std::format!("{}_{}", family.stem(), cfg.suffix(family))
+}
+
+/// Entry points that are not tuned: their names and the threads per block they are built for.
+pub mod fixed {
+    /// Merges the per-split forward partials into lse, log-prob and entropy.
+    pub const FWD_MERGE: &str = "lm_head_fwd_merge";
+    /// Merges per-split partials into one `(m, s, t, z)` row state (tensor-parallel path).
+    pub const FWD_ROW_STATE: &str = "lm_head_fwd_row_state";
+    /// Moves row states to the all-reduced maximum (tensor-parallel path).
+    pub const FWD_RESCALE: &str = "lm_head_fwd_rescale";
+    /// Turns reduced row states into lse, log-prob and entropy (tensor-parallel path).
+    pub const FWD_FINISH: &str = "lm_head_fwd_finish";
+    /// Writes a bf16 copy of an f32 buffer.
+    pub const CAST_F32_BF16: &str = "lm_head_cast_f32_bf16";
+    /// Level 00 of the ladder: one block per token, plain f32 dot products, no tensor cores.
+    pub const NAIVE_FWD: &str = "lm_head_naive_fwd";
+    /// Threads per block of the fixed kernels.
+    pub const THREADS: u32 = 256;
+    /// All fixed entry points.
+    pub const ALL: [&str; 6] = [FWD_MERGE, FWD_ROW_STATE, FWD_RESCALE, FWD_FINISH, CAST_F32_BF16, NAIVE_FWD];
+}
+
+#[cfg(all(test, feature = "std"))]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn every_candidate_is_well_formed_and_named_uniquely() {
+        let mut names = HashSet::new();
+        for f in Family::ALL {
+            assert!(!f.candidates().is_empty());
+            for &c in f.candidates() {
+                assert!(c.is_well_formed(), "{f:?} {c:?}");
+                assert!(names.insert(kernel_name(f, c)), "duplicate name {}", kernel_name(f, c));
+            }
+        }
+        for n in fixed::ALL {
+            assert!(names.insert(n.into()));
+        }
+    }
+
+    #[test]
+    fn names_encode_the_config() {
+        assert_eq!(kernel_name(Family::FwdEnt, tc(128, 128, 32, 4, 2, 4)), "lm_head_fwd_ent_t128_v128_d32_s4_w2x4");
+        assert_eq!(kernel_name(Family::BwdDw, tc(64, 64, 64, 4, 2, 2)), "lm_head_bwd_dw_m64_n64_k64_s4_w2x2");
+    }
+
+    #[test]
+    fn malformed_configs_are_rejected() {
+        assert!(!tc(128, 128, 48, 3, 2, 4).is_well_formed());
+        assert!(!tc(128, 128, 32, 1, 2, 4).is_well_formed());
+        assert!(!tc(48, 128, 32, 3, 1, 4).is_well_formed());
+        assert!(!tc(256, 256, 64, 4, 2, 4).is_well_formed(), "ring too large for shared memory");
+    }
+}

@@ -1,0 +1,166 @@
+//! Kernel parameter structs: the device ABI. Each kernel takes one of these by value; the host
+//! fills it in `host/src/launch.rs`. Pointers are raw device addresses (`u64`), lengths and
+//! strides are in elements. Changing a field here changes both sides at once; a host test checks
+//! `size_of`/`align_of` so that an accidental change is noticed.
+//!
+//! Conventions: `t` tokens (rows of `h`), `v` vocab rows of the local `W` shard, `d` hidden size.
+//! Token labels are global vocab ids; the local shard holds `[v_begin, v_begin + v)`.
+
+/// Labels are `i32` (`LABELS_I32`) or `i64` (`LABELS_I64`) in device memory.
+pub const LABELS_I32: u32 = 0;
+pub const LABELS_I64: u32 = 1;
+
+/// One forward partial: the `(m, s, t)` state of a (row, vocab split) in base-2 units and the
+/// label's logit (natural units, 0 when the label is not in the split). Layout `[split][row]`.
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Partial {
+    pub m: f32,
+    pub s: f32,
+    pub t: f32,
+    pub z_label: f32,
+}
+
+/// Parameters of the logits mainloop kernels (forward and backward d-logits).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LogitsParams {
+    /// `h`: bf16 `[t, d]`, row stride `h_row_stride`.
+    pub h: u64,
+    /// `W` shard: bf16 `[v, d]`, row stride `w_row_stride`.
+    pub w: u64,
+    /// Labels `[t]`, `i32` or `i64` (`label_kind`).
+    pub labels: u64,
+    /// Forward: `Partial [n_splits][t]`. Backward: unused.
+    pub partials: u64,
+    /// Backward: saved `lse [t]` (natural units, f32).
+    pub lse: u64,
+    /// Backward: upstream gradient of log-prob `[t]` (f32), 0 = absent.
+    pub grad_logprob: u64,
+    /// Backward: upstream gradient of entropy `[t]` (f32), used by the `Ent` family only.
+    pub grad_entropy: u64,
+    /// Backward: saved entropy `[t]` (f32), used by the `Ent` family only.
+    pub entropy: u64,
+    /// Backward: bf16 d-logits staging `[t, staging_stride]`, columns `[0, v_chunk)` of this chunk.
+    pub staging: u64,
+    pub h_row_stride: u64,
+    pub w_row_stride: u64,
+    pub staging_stride: u64,
+    /// Global vocab id of local row 0 (tensor parallelism; 0 otherwise).
+    pub v_begin: i64,
+    pub ignore_index: i64,
+    pub t: u32,
+    pub v: u32,
+    pub d: u32,
+    pub label_kind: u32,
+    /// Vocab tiles handled by one block (forward), so `n_splits = ceil(v_tiles / tiles_per_split)`.
+    pub tiles_per_split: u32,
+    /// Backward: first local vocab row of this chunk, and the chunk's width.
+    pub v_chunk_begin: u32,
+    pub v_chunk: u32,
+    pub _pad: u32,
+    /// `1 / temperature`.
+    pub inv_temp: f32,
+    /// `log2(e) / temperature`.
+    pub scale2: f32,
+    pub _pad2: [f32; 2],
+}
+
+/// Parameters of the backward GEMMs `C[m, n] (+)= Σ_k A · B`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct GemmParams {
+    /// A: bf16; `dh`: K-major `[m][k]`; `dW`: M-major `[k][m]`.
+    pub a: u64,
+    /// B: bf16, N-major `[k][n]`.
+    pub b: u64,
+    /// f32 accumulator `[m][n]` (row stride `c_stride`): read when `accumulate`, written when
+    /// `write_acc`. 0 when neither.
+    pub c_acc: u64,
+    /// Output `[m][n]` (row stride `c_stride`), bf16 or f32 (`out_f32`); 0 = not written.
+    pub c_out: u64,
+    pub a_stride: u64,
+    pub b_stride: u64,
+    pub c_stride: u64,
+    pub m: u32,
+    pub n: u32,
+    pub k: u32,
+    pub accumulate: u32,
+    pub write_acc: u32,
+    pub out_f32: u32,
+}
+
+/// Parameters of the forward merge kernels (`FWD_MERGE`, `FWD_ROW_STATE`, `FWD_FINISH`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct MergeParams {
+    /// `Partial [n_splits][t]` from the mainloop.
+    pub partials: u64,
+    /// Row states `Partial [t]` (tensor-parallel path: written by `FWD_ROW_STATE`, read by `FWD_FINISH`).
+    pub row_state: u64,
+    pub labels: u64,
+    /// Outputs, f32 `[t]`; `entropy` may be 0 (not requested).
+    pub logprob: u64,
+    pub entropy: u64,
+    pub lse: u64,
+    /// u32 flags word: bit 0 is set when some label was neither in `[0, v_total)` nor ignore_index.
+    pub status: u64,
+    pub ignore_index: i64,
+    /// Global vocab size (for label validation) and the shard's first id.
+    pub v_total: i64,
+    pub v_begin: i64,
+    pub t: u32,
+    pub n_splits: u32,
+    pub label_kind: u32,
+    pub _pad: u32,
+}
+
+/// Parameters of `CAST_F32_BF16`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CastParams {
+    pub src: u64,
+    pub dst: u64,
+    pub n: u64,
+}
+
+/// Parameters of the naive forward (`NAIVE_FWD`): one block per token.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct NaiveParams {
+    pub h: u64,
+    pub w: u64,
+    pub labels: u64,
+    pub logprob: u64,
+    pub entropy: u64,
+    pub lse: u64,
+    pub ignore_index: i64,
+    pub t: u32,
+    pub v: u32,
+    pub d: u32,
+    pub label_kind: u32,
+    pub inv_temp: f32,
+    pub _pad: u32,
+}
+
+/// Bits of the status word.
+pub const STATUS_BAD_LABEL: u32 = 1;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::{align_of, size_of};
+
+    /// The device reads these structs at fixed offsets; a size change must be deliberate.
+    #[test]
+    fn abi_sizes() {
+        assert_eq!(size_of::<Partial>(), 16);
+        assert_eq!(align_of::<Partial>(), 16);
+        assert_eq!(size_of::<LogitsParams>(), 160);
+        assert_eq!(align_of::<LogitsParams>(), 8);
+        assert_eq!(size_of::<GemmParams>(), 80);
+        assert_eq!(size_of::<MergeParams>(), 96);
+        assert_eq!(size_of::<CastParams>(), 24);
+        assert_eq!(size_of::<NaiveParams>(), 80);
+    }
+}

@@ -1,0 +1,99 @@
+//! Backward reference: `dh = dlogits · W` and `dW = dlogitsᵀ · h` in f64, with
+//!
+//! ```text
+//! dlogits[t, j] = (1/T) · [ g_ℓ[t] (onehot_j − p_j) − g_H[t] p_j (z_j − μ_t) ],
+//! p_j = e^{z_j − lse_t},   μ_t = Σ_j p_j z_j = lse_t − H_t,
+//! ```
+//!
+//! derived from `∂ℓ/∂z_j = onehot_j − p_j` and `∂H/∂z_j = −p_j (z_j − μ)` (see
+//! `kernels-gpu/src/bwd.rs`); `1/T` is `∂z/∂(h·w)`. Rows labelled `ignore_index` get 0.
+
+use crate::bf16;
+use crate::inputs::Inputs;
+use rayon::prelude::*;
+
+/// Upstream gradients; either may be absent.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Grads<'a> {
+    pub logprob: Option<&'a [f64]>,
+    pub entropy: Option<&'a [f64]>,
+}
+
+/// Full backward outputs.
+#[derive(Clone, Debug)]
+pub struct BwdRef {
+    /// `[t][d]`
+    pub dh: Vec<f64>,
+    /// `[v][d]`
+    pub dw: Vec<f64>,
+}
+
+/// d-logits of row `row` at local vocab `j`, given the row's saved lse and entropy.
+fn dlogit(inp: &Inputs, row: usize, j: usize, lse: f64, ent: f64, g: &Grads) -> f64 {
+    let label = inp.labels[row];
+    if label == inp.ignore_index {
+        return 0.0;
+    }
+    let d = inp.d;
+    let inv_t = 1.0 / inp.temperature;
+    let z = bf16::dot(&inp.h[row * d..(row + 1) * d], &inp.w[j * d..(j + 1) * d]) * inv_t;
+    let p = (z - lse).exp();
+    let mut x = 0.0;
+    if let Some(gl) = g.logprob {
+        let onehot = if label - inp.v_begin == j as i64 { 1.0 } else { 0.0 };
+        x += gl[row] * (onehot - p);
+    }
+    if let Some(ge) = g.entropy {
+        x -= ge[row] * p * (z - (lse - ent));
+    }
+    x * inv_t
+}
+
+/// Rows of `dh` (each `[d]`) for the given tokens.
+pub fn backward_dh_rows(inp: &Inputs, lse: &[f64], entropy: &[f64], g: &Grads, rows: &[usize]) -> Vec<Vec<f64>> {
+    let d = inp.d;
+    rows.par_iter()
+        .map(|&row| {
+            let mut out = vec![0.0f64; d];
+            for j in 0..inp.v {
+                let a = dlogit(inp, row, j, lse[row], entropy[row], g);
+                if a != 0.0 {
+                    for (o, &wk) in out.iter_mut().zip(&inp.w[j * d..(j + 1) * d]) {
+                        *o += a * bf16::to_f64(wk);
+                    }
+                }
+            }
+            out
+        })
+        .collect()
+}
+
+/// Rows of `dW` (each `[d]`) for the given local vocab rows.
+pub fn backward_dw_rows(inp: &Inputs, lse: &[f64], entropy: &[f64], g: &Grads, vrows: &[usize]) -> Vec<Vec<f64>> {
+    let d = inp.d;
+    vrows
+        .par_iter()
+        .map(|&j| {
+            let mut out = vec![0.0f64; d];
+            for row in 0..inp.t {
+                let a = dlogit(inp, row, j, lse[row], entropy[row], g);
+                if a != 0.0 {
+                    for (o, &hk) in out.iter_mut().zip(&inp.h[row * d..(row + 1) * d]) {
+                        *o += a * bf16::to_f64(hk);
+                    }
+                }
+            }
+            out
+        })
+        .collect()
+}
+
+/// Full `dh` and `dW`.
+pub fn backward(inp: &Inputs, lse: &[f64], entropy: &[f64], g: &Grads) -> BwdRef {
+    let rows: Vec<usize> = (0..inp.t).collect();
+    let vrows: Vec<usize> = (0..inp.v).collect();
+    BwdRef {
+        dh: backward_dh_rows(inp, lse, entropy, g, &rows).concat(),
+        dw: backward_dw_rows(inp, lse, entropy, g, &vrows).concat(),
+    }
+}

@@ -1,0 +1,296 @@
+//! The backward pass: `dh [t, d]` and `dW [v, d]` from the upstream gradients of log-prob and/or
+//! entropy, without the `t × v` matrix.
+//!
+//! The vocab is walked in chunks of width `S = min(v, chunk)` (default [`DEFAULT_CHUNK`]). Per
+//! chunk, three launches on one stream:
+//! 1. `dlogits`: recompute the `t × S` logits on the tensor cores and write bf16 d-logits into
+//!    the staging buffer `[t][S₈]` (`S₈` = S rounded up to 8; padding columns are zeros);
+//! 2. `dh (+)= dlogits · W_chunk` (f32 accumulator across chunks; the last chunk writes the
+//!    caller's `dh`, rounding to bf16 if asked);
+//! 3. `dW_chunk = dlogitsᵀ · h`, written straight into the caller's `dW` rows of the chunk.
+//!
+//! The staging buffer is sized for the actual chunk width (`t · S₈` bf16), lives in the
+//! workspace and is reused across chunks and calls ([`LmHead::release_workspace`] frees it).
+//! With an f32 `dh` the caller's buffer is the accumulator; with bf16 `dh` an f32 `t × d`
+//! accumulator is added to the workspace.
+//!
+//! **Determinism.** No atomics: every output element is written by one thread in a fixed order,
+//! so `dh` and `dW` are bitwise identical across runs of the same config and chunk width
+//! (changing either changes the summation order).
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use lmhead_core::config::{Family, TileConfig};
+use lmhead_core::Problem;
+
+use crate::error::{Context as _, Error, Result};
+use crate::fwd::check_temperature;
+use crate::launch::{self, dev_in, dev_out, Dev, Dims, GemmOut, Labels, Scalars};
+use crate::tune::{Choice, TuneKey};
+use crate::{bf16, LabelType, LmHead};
+
+/// Default vocab chunk width: `t · 8192` bf16 of staging (128 MiB at t = 8192), a few percent
+/// of f32 accumulator traffic on top of the chunk's GEMMs (see docs/perf-notes.md).
+pub const DEFAULT_CHUNK: usize = 8192;
+
+/// Inputs of a backward call.
+pub struct BwdInputs<'a, L: LabelType> {
+    pub h: &'a dyn DevicePtr<bf16>,
+    pub w: &'a dyn DevicePtr<bf16>,
+    pub labels: &'a dyn DevicePtr<L>,
+    /// Saved by the forward: log-sum-exp `[t]`.
+    pub lse: &'a dyn DevicePtr<f32>,
+    /// Saved by the forward: entropy `[t]` (needed when `grad_entropy` is given).
+    pub entropy: Option<&'a dyn DevicePtr<f32>>,
+    /// Upstream gradient of log-prob `[t]`.
+    pub grad_logprob: Option<&'a dyn DevicePtr<f32>>,
+    /// Upstream gradient of entropy `[t]`.
+    pub grad_entropy: Option<&'a dyn DevicePtr<f32>>,
+    pub problem: Problem,
+}
+
+/// A gradient output in bf16 or f32.
+pub enum GradOut<'a> {
+    Bf16(&'a mut dyn DevicePtrMut<bf16>),
+    F32(&'a mut dyn DevicePtrMut<f32>),
+}
+
+/// Options of the backward pass.
+#[derive(Clone, Debug)]
+pub struct BwdOptions {
+    /// Must match the forward's.
+    pub temperature: f32,
+    pub ignore_index: i64,
+    /// Vocab chunk width (staging columns). Default [`DEFAULT_CHUNK`].
+    pub chunk: usize,
+    /// Config choices of the d-logits kernel and the two GEMMs.
+    pub config: BwdConfigs,
+}
+
+/// How each backward kernel's config is chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BwdConfigs {
+    pub dlogits: Choice,
+    pub dh: Choice,
+    pub dw: Choice,
+}
+
+impl BwdConfigs {
+    /// The same choice for all three (`Auto` or `Fallback`).
+    pub const fn all(c: Choice) -> Self {
+        Self { dlogits: c, dh: c, dw: c }
+    }
+}
+
+impl Default for BwdOptions {
+    fn default() -> Self {
+        Self { temperature: 1.0, ignore_index: lmhead_reference::IGNORE_INDEX, chunk: DEFAULT_CHUNK, config: BwdConfigs::all(Choice::Auto) }
+    }
+}
+
+/// What a backward call did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BwdReport {
+    pub dlogits: TileConfig,
+    pub dh: TileConfig,
+    pub dw: TileConfig,
+    pub chunk: usize,
+    pub chunks: usize,
+    /// Bytes of workspace the call used (staging + accumulator).
+    pub workspace_bytes: usize,
+}
+
+/// Staging stride for a chunk width: a multiple of 8 (16-byte rows).
+fn stride_of(chunk: usize) -> usize {
+    chunk.next_multiple_of(8)
+}
+
+struct Out<'a> {
+    dev: Dev<'a>,
+    f32: bool,
+}
+
+fn grad_out<'a>(g: &'a mut GradOut<'_>, stream: &'a CudaStream, what: &'static str) -> Result<Out<'a>> {
+    Ok(match g {
+        GradOut::Bf16(b) => Out { dev: dev_out(&mut **b, stream, what)?, f32: false },
+        GradOut::F32(b) => Out { dev: dev_out(&mut **b, stream, what)?, f32: true },
+    })
+}
+
+impl LmHead {
+    /// The backward. Either upstream gradient may be absent (both absent: zero gradients).
+    pub fn backward<L: LabelType>(
+        &self,
+        stream: &Arc<CudaStream>,
+        x: &BwdInputs<'_, L>,
+        opts: &BwdOptions,
+        mut dh: GradOut<'_>,
+        mut dw: GradOut<'_>,
+    ) -> Result<BwdReport> {
+        let p = x.problem;
+        p.check()?;
+        let inv_temp = check_temperature(opts.temperature)?;
+        self.check_stream(stream)?;
+        if x.grad_entropy.is_some() && x.entropy.is_none() {
+            return Err(Error::Invalid("an entropy gradient needs the entropy saved by the forward".into()));
+        }
+        if opts.chunk == 0 {
+            return Err(Error::Invalid("chunk width must be ≥ 1".into()));
+        }
+        let sc = Scalars { inv_temp, ignore_index: opts.ignore_index, v_begin: 0 };
+        let h = dev_in(x.h, stream, "h")?;
+        let w = dev_in(x.w, stream, "W")?;
+        let labels = L::labels(x.labels, stream)?;
+        let lse = dev_in(x.lse, stream, "lse")?;
+        let gl = x.grad_logprob.map(|g| dev_in(g, stream, "grad_logprob")).transpose()?;
+        let ent = match (x.grad_entropy, x.entropy) {
+            (Some(g), Some(e)) => Some((dev_in(g, stream, "grad_entropy")?, dev_in(e, stream, "entropy")?)),
+            _ => None,
+        };
+        let dh = grad_out(&mut dh, stream, "dh")?;
+        let dw = grad_out(&mut dw, stream, "dW")?;
+        dh.dev.check_exact(p.t * p.d, if dh.f32 { 8 } else { 4 })?;
+        dw.dev.check_exact(p.v * p.d, if dw.f32 { 8 } else { 4 })?;
+        self.backward_dev(stream, p, sc, opts, &h, &w, &labels, &lse, gl.as_ref(), ent.as_ref().map(|(a, b)| (a, b)), &dh, &dw)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn backward_dev(
+        &self,
+        stream: &Arc<CudaStream>,
+        p: Problem,
+        sc: Scalars,
+        opts: &BwdOptions,
+        h: &Dev,
+        w: &Dev,
+        labels: &Labels,
+        lse: &Dev,
+        gl: Option<&Dev>,
+        ent: Option<(&Dev, &Dev)>,
+        dh: &Out,
+        dw: &Out,
+    ) -> Result<BwdReport> {
+        let dims = Dims { t: p.t, v: p.v, d: p.d };
+        let chunk = opts.chunk.min(p.v);
+        let stride = stride_of(chunk);
+        let chunks = p.v.div_ceil(chunk);
+        let fam_dl = if ent.is_some() { Family::BwdDlogitsEnt } else { Family::BwdDlogits };
+        let (cfg_dl, cfg_dh, cfg_dw) = self.bwd_configs(stream, opts.config, p, chunk, fam_dl, sc, (h, w, labels, lse, gl, ent))?;
+        let mut guard = self.ws.lock().unwrap();
+        {
+            let ws = &mut *guard;
+            let staging = ws.staging.get(stream, p.t * stride)?;
+            let staging = dev_out(staging, stream, "staging")?;
+            // The f32 accumulator of dh: the caller's buffer when f32, else the workspace's.
+            let acc_buf;
+            let acc: &Dev = if dh.f32 || chunks == 1 {
+                &dh.dev
+            } else {
+                acc_buf = dev_out(ws.dh_acc.get(stream, p.t * p.d)?, stream, "dh accumulator")?;
+                &acc_buf
+            };
+            for c in 0..chunks {
+                let c0 = c * chunk;
+                let cw = chunk.min(p.v - c0);
+                launch::bwd_dlogits(&self.gpu, stream, cfg_dl, dims, sc, (c0, cw, stride), h, w, labels, lse, gl, ent, &staging)?;
+                // dh (+)= staging[:, :cw] · W[c0 .. c0 + cw]
+                let first = c == 0;
+                let last = c + 1 == chunks;
+                let w_chunk = w.sub(c0 * p.d, cw * p.d, 2)?;
+                let mode = if dh.f32 {
+                    GemmOut { accumulate: !first, write_acc: true, out_f32: true }
+                } else if last {
+                    GemmOut { accumulate: !first, write_acc: false, out_f32: false }
+                } else {
+                    GemmOut { accumulate: !first, write_acc: true, out_f32: false }
+                };
+                let out = (!dh.f32 && last).then_some(&dh.dev);
+                launch::bwd_gemm(&self.gpu, stream, Family::BwdDh, cfg_dh, (p.t, p.d, cw), (&staging, stride), (&w_chunk, p.d), Some(acc), out, mode)?;
+                // dW[c0 .. c0 + cw] = staging[:, :cw]ᵀ · h
+                let elem = if dw.f32 { 4 } else { 2 };
+                let dw_chunk = dw.dev.sub(c0 * p.d, cw * p.d, elem)?;
+                let mode = GemmOut { accumulate: false, write_acc: false, out_f32: dw.f32 };
+                launch::bwd_gemm(&self.gpu, stream, Family::BwdDw, cfg_dw, (cw, p.d, p.t), (&staging, stride), (h, p.d), None, Some(&dw_chunk), mode)?;
+            }
+        }
+        let workspace_bytes = guard.staging.bytes() + guard.dh_acc.bytes();
+        Ok(BwdReport { dlogits: cfg_dl, dh: cfg_dh, dw: cfg_dw, chunk, chunks, workspace_bytes })
+    }
+
+    /// Configs of the three backward kernels. Tuning trials write only scratch buffers.
+    #[allow(clippy::type_complexity)]
+    fn bwd_configs(
+        &self,
+        stream: &Arc<CudaStream>,
+        choice: BwdConfigs,
+        p: Problem,
+        chunk: usize,
+        fam_dl: Family,
+        sc: Scalars,
+        (h, w, labels, lse, gl, ent): (&Dev, &Dev, &Labels, &Dev, Option<&Dev>, Option<(&Dev, &Dev)>),
+    ) -> Result<(TileConfig, TileConfig, TileConfig)> {
+        let stride = stride_of(chunk);
+        let dims = Dims { t: p.t, v: p.v, d: p.d };
+        let chunk_problem = Problem::new(p.t, chunk, p.d);
+        let needs_tuning = self.tuner.enabled()
+            && [(fam_dl, choice.dlogits), (Family::BwdDh, choice.dh), (Family::BwdDw, choice.dw)]
+                .iter()
+                .any(|&(f, c)| c == Choice::Auto && self.tuner.entry(&TuneKey::new(f, chunk_problem, false)).is_none());
+        // Scratch for the trials (allocated only when something is tuned).
+        let mut scratch = if needs_tuning {
+            let alloc = |n: usize, what: &'static str| stream.alloc_zeros::<bf16>(n).map_err(|_| Error::OutOfMemory { what, bytes: 2 * n });
+            Some((
+                alloc(p.t * stride, "tuning staging")?,
+                stream.alloc_zeros::<f32>(p.t * p.d).map_err(|_| Error::OutOfMemory { what: "tuning dh", bytes: 4 * p.t * p.d })?,
+                alloc(chunk * p.d, "tuning dW")?,
+            ))
+        } else {
+            None
+        };
+        let sample = |v: &[f32]| -> Vec<f64> {
+            let step = (v.len() / 4096).max(1);
+            v.iter().step_by(step).map(|&x| x as f64).collect()
+        };
+        let cfg_dl = self.tuner.pick(&TuneKey::new(fam_dl, chunk_problem, false), choice.dlogits, &self.gpu, &mut |cfg| {
+            let (st, _, _) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
+            let ms = crate::tune::bench::time_ms(stream, || {
+                let sd = dev_out(&mut *st, stream, "tuning staging")?;
+                launch::bwd_dlogits(&self.gpu, stream, cfg, dims, sc, (0, chunk, stride), h, w, labels, lse, gl, ent, &sd)
+            })?;
+            let host = stream.clone_dtoh(&*st).during(|| "reading tuning staging".into())?;
+            let f: Vec<f32> = host.iter().map(|x| x.to_f32()).collect();
+            Ok(crate::tune::Trial { ms, check: sample(&f) })
+        })?;
+        // The GEMM trials read the staging buffer the fallback d-logits left in scratch.
+        if let Some((st, _, _)) = scratch.as_mut() {
+            let sd = dev_out(&mut *st, stream, "tuning staging")?;
+            launch::bwd_dlogits(&self.gpu, stream, cfg_dl, dims, sc, (0, chunk, stride), h, w, labels, lse, gl, ent, &sd)?;
+        }
+        let cfg_dh = self.tuner.pick(&TuneKey::new(Family::BwdDh, chunk_problem, false), choice.dh, &self.gpu, &mut |cfg| {
+            let (st, acc, _) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
+            let ms = crate::tune::bench::time_ms(stream, || {
+                let sd = dev_in(&*st, stream, "tuning staging")?;
+                let ad = dev_out(&mut *acc, stream, "tuning dh")?;
+                let wc = w.sub(0, chunk * p.d, 2)?;
+                let mode = GemmOut { accumulate: false, write_acc: true, out_f32: true };
+                launch::bwd_gemm(&self.gpu, stream, Family::BwdDh, cfg, (p.t, p.d, chunk), (&sd, stride), (&wc, p.d), Some(&ad), None, mode)
+            })?;
+            let host = stream.clone_dtoh(&*acc).during(|| "reading tuning dh".into())?;
+            Ok(crate::tune::Trial { ms, check: sample(&host) })
+        })?;
+        let cfg_dw = self.tuner.pick(&TuneKey::new(Family::BwdDw, chunk_problem, false), choice.dw, &self.gpu, &mut |cfg| {
+            let (st, _, out) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
+            let ms = crate::tune::bench::time_ms(stream, || {
+                let sd = dev_in(&*st, stream, "tuning staging")?;
+                let od = dev_out(&mut *out, stream, "tuning dW")?;
+                let mode = GemmOut { accumulate: false, write_acc: false, out_f32: false };
+                launch::bwd_gemm(&self.gpu, stream, Family::BwdDw, cfg, (chunk, p.d, p.t), (&sd, stride), (h, p.d), None, Some(&od), mode)
+            })?;
+            let host = stream.clone_dtoh(&*out).during(|| "reading tuning dW".into())?;
+            let f: Vec<f32> = host.iter().map(|x| x.to_f32()).collect();
+            Ok(crate::tune::Trial { ms, check: sample(&f) })
+        })?;
+        Ok((cfg_dl, cfg_dh, cfg_dw))
+    }
+}

@@ -1,0 +1,89 @@
+//! The library's one error type. Every bad input is answered with one of these before anything
+//! is launched; device failures are wrapped with what was being done.
+
+use lmhead_core::ShapeError;
+
+/// Everything that can go wrong in a call.
+#[derive(Debug)]
+pub enum Error {
+    /// No CUDA driver library on this machine (use the CPU backend).
+    NoDriver,
+    /// The device is not one the kernels are built for (compute capability 9.0 with sm_90a).
+    UnsupportedDevice { name: String, cc: (i32, i32) },
+    /// A bad problem shape.
+    Shape(ShapeError),
+    /// A buffer's length does not match the shape.
+    Length { what: &'static str, expected: usize, got: usize },
+    /// A device pointer is not aligned as the kernels need.
+    Misaligned { what: &'static str, align: usize },
+    /// Temperature must be finite and > 0.
+    Temperature(f32),
+    /// Labels outside `[0, v_total)` that are not `ignore_index` (first offending row, if known).
+    BadLabel { row: Option<usize>, label: Option<i64> },
+    /// An option or combination of arguments that makes no sense (e.g. an entropy gradient
+    /// without the saved entropy).
+    Invalid(String),
+    /// A buffer belongs to another CUDA context than the stream.
+    WrongContext { what: &'static str },
+    /// A config that was not compiled, or that this device cannot run for this problem.
+    Config(String),
+    /// Out of device memory while allocating a workspace of `bytes`.
+    OutOfMemory { what: &'static str, bytes: usize },
+    /// A CUDA driver call failed.
+    Driver { during: String, source: cudarc::driver::DriverError },
+    /// The tensor-parallel communicator failed.
+    Comm(String),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Error::NoDriver => write!(f, "no CUDA driver found (libcuda); use the CPU backend"),
+            Error::UnsupportedDevice { name, cc } => {
+                write!(f, "{name} (compute capability {}.{}) is not supported: the kernels are built for sm_90a (H100/H200)", cc.0, cc.1)
+            }
+            Error::Shape(e) => write!(f, "bad shape: {e}"),
+            Error::Length { what, expected, got } => write!(f, "{what} has {got} elements, the shape needs {expected}"),
+            Error::Misaligned { what, align } => write!(f, "{what} is not {align}-byte aligned"),
+            Error::Temperature(t) => write!(f, "temperature must be finite and > 0, got {t}"),
+            Error::BadLabel { row, label } => match (row, label) {
+                (Some(r), Some(l)) => write!(f, "label {l} of row {r} is outside [0, vocab) and is not ignore_index"),
+                _ => write!(f, "some label is outside [0, vocab) and is not ignore_index (those rows are NaN)"),
+            },
+            Error::Invalid(s) => write!(f, "invalid arguments: {s}"),
+            Error::WrongContext { what } => write!(f, "{what} lives in another CUDA context than the stream"),
+            Error::Config(s) => write!(f, "config: {s}"),
+            Error::OutOfMemory { what, bytes } => write!(f, "out of device memory allocating {what} ({bytes} bytes)"),
+            Error::Driver { during, source } => write!(f, "CUDA error while {during}: {source}"),
+            Error::Comm(s) => write!(f, "communicator: {s}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Driver { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}
+
+impl From<ShapeError> for Error {
+    fn from(e: ShapeError) -> Self {
+        Error::Shape(e)
+    }
+}
+
+/// Attach what was being done to a driver error.
+pub(crate) trait Context<T> {
+    fn during(self, what: impl FnOnce() -> String) -> Result<T>;
+}
+
+impl<T> Context<T> for std::result::Result<T, cudarc::driver::DriverError> {
+    fn during(self, what: impl FnOnce() -> String) -> Result<T> {
+        self.map_err(|source| Error::Driver { during: what(), source })
+    }
+}

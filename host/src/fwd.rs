@@ -1,0 +1,202 @@
+//! The forward pass: per-token log-prob of the label, optional entropy, and log-sum-exp.
+//!
+//! Two launches: the fused mainloop (`(token tiles) × (vocab splits)` blocks, each writing one
+//! partial per row) and the merge (one thread per row). Partials live in the library's
+//! workspace, outputs in the caller's buffers, so rerunning either kernel (the tuner does) never
+//! corrupts the other's input.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use lmhead_core::config::{Family, TileConfig};
+use lmhead_core::split;
+use lmhead_core::Problem;
+
+use crate::error::{Context as _, Error, Result};
+use crate::launch::{self, dev_in, dev_out, Dev, Dims, Labels, MergeOuts, MergeStep, Scalars};
+use crate::tune::{Choice, TuneKey};
+use crate::{bf16, LabelType, LmHead};
+
+/// Inputs of a forward call. `h` is `[t][d]`, `W` is `[v][d]` (bf16, rows contiguous), labels `[t]`.
+pub struct FwdInputs<'a, L: LabelType> {
+    pub h: &'a dyn DevicePtr<bf16>,
+    pub w: &'a dyn DevicePtr<bf16>,
+    pub labels: &'a dyn DevicePtr<L>,
+    pub problem: Problem,
+}
+
+/// Outputs of a forward call, f32 `[t]` each. Entropy is computed only when its buffer is given
+/// (the kernel without entropy does none of its arithmetic).
+pub struct FwdOutputs<'a> {
+    pub logprob: &'a mut dyn DevicePtrMut<f32>,
+    pub lse: &'a mut dyn DevicePtrMut<f32>,
+    pub entropy: Option<&'a mut dyn DevicePtrMut<f32>>,
+}
+
+/// Options of the forward (and backward) pass.
+#[derive(Clone, Debug)]
+pub struct FwdOptions {
+    /// Logits are divided by this (finite, > 0). Default 1.
+    pub temperature: f32,
+    /// Rows with this label report log-prob 0 and entropy 0 (and get no gradient). Default −100.
+    pub ignore_index: i64,
+    /// Read back the label status after the call (one small synchronous copy) and fail with
+    /// [`Error::BadLabel`] when a label is outside `[0, v)` and not `ignore_index`. Those rows are
+    /// NaN either way. Default true.
+    pub check_labels: bool,
+    /// How the tile config is chosen. Default [`Choice::Auto`].
+    pub config: Choice,
+    /// Run the level-00 kernel (no tensor cores) instead: a second GPU reference.
+    pub naive: bool,
+}
+
+impl Default for FwdOptions {
+    fn default() -> Self {
+        Self { temperature: 1.0, ignore_index: lmhead_reference::IGNORE_INDEX, check_labels: true, config: Choice::Auto, naive: false }
+    }
+}
+
+/// What a forward call did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FwdReport {
+    pub config: Option<TileConfig>,
+    pub n_splits: u32,
+}
+
+pub(crate) fn check_temperature(t: f32) -> Result<f32> {
+    if !(t.is_finite() && t > 0.0) {
+        return Err(Error::Temperature(t));
+    }
+    Ok(1.0 / t)
+}
+
+impl LmHead {
+    pub(crate) fn check_stream(&self, stream: &CudaStream) -> Result<()> {
+        if stream.context().cu_ctx() != self.gpu.context().cu_ctx() {
+            return Err(Error::WrongContext { what: "stream" });
+        }
+        Ok(())
+    }
+
+    /// Concurrent blocks per SM of a config (from the driver's occupancy calculator).
+    pub(crate) fn slots(&self, family: Family, cfg: TileConfig) -> Result<u32> {
+        let name = lmhead_core::config::kernel_name(family, cfg);
+        let f = self.gpu.function(&name, cfg.smem_bytes() as u32)?;
+        let per_sm = f
+            .occupancy_max_active_blocks_per_multiprocessor(cfg.threads(), cfg.smem_bytes(), None)
+            .during(|| format!("occupancy of `{name}`"))?;
+        if per_sm == 0 {
+            return Err(Error::Config(format!("`{name}` cannot run on this device (0 blocks per SM)")));
+        }
+        Ok(per_sm * self.gpu.info().sm_count)
+    }
+
+    /// The fused forward. See [`FwdInputs`], [`FwdOutputs`], [`FwdOptions`].
+    pub fn forward<L: LabelType>(
+        &self,
+        stream: &Arc<CudaStream>,
+        x: &FwdInputs<'_, L>,
+        opts: &FwdOptions,
+        out: FwdOutputs<'_>,
+    ) -> Result<FwdReport> {
+        let p = x.problem;
+        p.check()?;
+        let inv_temp = check_temperature(opts.temperature)?;
+        self.check_stream(stream)?;
+        let sc = Scalars { inv_temp, ignore_index: opts.ignore_index, v_begin: 0 };
+        let dims = Dims { t: p.t, v: p.v, d: p.d };
+        let h = dev_in(x.h, stream, "h")?;
+        let w = dev_in(x.w, stream, "W")?;
+        let labels = L::labels(x.labels, stream)?;
+        let logprob = dev_out(out.logprob, stream, "logprob")?;
+        let lse = dev_out(out.lse, stream, "lse")?;
+        let entropy = match out.entropy {
+            Some(e) => Some(dev_out(e, stream, "entropy")?),
+            None => None,
+        };
+        if opts.naive {
+            launch::naive_fwd(&self.gpu, stream, dims, sc, &h, &w, &labels, &logprob, &lse, entropy.as_ref())?;
+            return Ok(FwdReport { config: None, n_splits: 0 });
+        }
+        let family = if entropy.is_some() { Family::FwdEnt } else { Family::Fwd };
+        let cfg = self.fwd_config(stream, family, opts.config, p, sc, &h, &w, &labels)?;
+        let mut guard = self.ws.lock().unwrap();
+        let ws = &mut *guard;
+        let tiles_per_split = self.plan_split(family, cfg, p)?;
+        let n_splits = {
+            let partials = ws.partials.get(stream, split_count(cfg, p, tiles_per_split) * p.t)?;
+            let pd = dev_out(partials, stream, "partials")?;
+            launch::fwd_mainloop(&self.gpu, stream, entropy.is_some(), cfg, tiles_per_split, dims, sc, &h, &w, &labels, &pd)?
+        };
+        let (partials, status) = (&mut ws.partials, &mut ws.status);
+        let status = status.get(stream, 1)?;
+        stream.memset_zeros(status).during(|| "clearing the status word".into())?;
+        let partials = partials.get(stream, n_splits as usize * p.t)?;
+        let pd = dev_in(&*partials, stream, "partials")?;
+        {
+            let sd = dev_out(status, stream, "status")?;
+            let outs = MergeOuts { logprob: &logprob, lse: &lse, entropy: entropy.as_ref(), status: &sd };
+            launch::merge(&self.gpu, stream, MergeStep::Full, p.t, n_splits, (p.v as i64, 0, opts.ignore_index), &labels, Some(&pd), None, Some(outs))?;
+        }
+        if opts.check_labels {
+            let flags = stream.clone_dtoh(&*status).during(|| "reading the label status".into())?;
+            if flags[0] & lmhead_core::params::STATUS_BAD_LABEL != 0 {
+                return Err(Error::BadLabel { row: None, label: None });
+            }
+        }
+        Ok(FwdReport { config: Some(cfg), n_splits })
+    }
+
+    /// Vocab tiles per block for `cfg` on this device (see `lmhead_core::split`).
+    pub(crate) fn plan_split(&self, family: Family, cfg: TileConfig, p: Problem) -> Result<u32> {
+        let slots = self.slots(family, cfg)?;
+        let m_tiles = p.t.div_ceil(cfg.bm as usize) as u32;
+        let n_tiles = p.v.div_ceil(cfg.bn as usize) as u32;
+        Ok(split::plan(m_tiles, n_tiles, slots).tiles_per_split)
+    }
+
+    /// Choose the forward config (tuning on first use of a key when `choice` is `Auto`). Trials
+    /// write only the tuner's own scratch (partials and outputs), never the caller's buffers.
+    #[allow(clippy::too_many_arguments)]
+    fn fwd_config(
+        &self,
+        stream: &Arc<CudaStream>,
+        family: Family,
+        choice: Choice,
+        p: Problem,
+        sc: Scalars,
+        h: &Dev,
+        w: &Dev,
+        labels: &Labels,
+    ) -> Result<TileConfig> {
+        let key = TuneKey::new(family, p, false);
+        let dims = Dims { t: p.t, v: p.v, d: p.d };
+        self.tuner.pick(&key, choice, &self.gpu, &mut |cfg| {
+            let tps = self.plan_split(family, cfg, p)?;
+            let n = split_count(cfg, p, tps);
+            let mut partials = stream.alloc_zeros::<crate::workspace::PartialRepr>(n * p.t).map_err(|_| Error::OutOfMemory { what: "tuning partials", bytes: n * p.t * 16 })?;
+            let mut outs = stream.alloc_zeros::<f32>(3 * p.t).map_err(|_| Error::OutOfMemory { what: "tuning outputs", bytes: 12 * p.t })?;
+            let mut status = stream.alloc_zeros::<u32>(1).map_err(|_| Error::OutOfMemory { what: "tuning status", bytes: 4 })?;
+            let run = |partials: &mut cudarc::driver::CudaSlice<crate::workspace::PartialRepr>,
+                       outs: &mut cudarc::driver::CudaSlice<f32>,
+                       status: &mut cudarc::driver::CudaSlice<u32>|
+             -> Result<()> {
+                let pd = dev_out(partials, stream, "tuning partials")?;
+                launch::fwd_mainloop(&self.gpu, stream, family == Family::FwdEnt, cfg, tps, dims, sc, h, w, labels, &pd)?;
+                let od = dev_out(outs, stream, "tuning outputs")?;
+                let (lp, lse, ent) = (od.sub(0, p.t, 4)?, od.sub(p.t, p.t, 4)?, od.sub(2 * p.t, p.t, 4)?);
+                let sd = dev_out(status, stream, "tuning status")?;
+                let mo = MergeOuts { logprob: &lp, lse: &lse, entropy: (family == Family::FwdEnt).then_some(&ent), status: &sd };
+                launch::merge(&self.gpu, stream, MergeStep::Full, p.t, n as u32, (p.v as i64, sc.v_begin, sc.ignore_index), labels, Some(&pd), None, Some(mo))
+            };
+            let ms = crate::tune::bench::time_ms(stream, || run(&mut partials, &mut outs, &mut status))?;
+            let check = stream.clone_dtoh(&outs).during(|| "reading tuning outputs".into())?;
+            Ok(crate::tune::Trial { ms, check: check.into_iter().map(|x| x as f64).collect() })
+        })
+    }
+}
+
+/// Splits of the vocab tiles for `cfg` with `tiles_per_split`.
+pub(crate) fn split_count(cfg: TileConfig, p: Problem, tiles_per_split: u32) -> usize {
+    (p.v.div_ceil(cfg.bn as usize) as u32).div_ceil(tiles_per_split) as usize
+}

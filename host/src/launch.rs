@@ -1,0 +1,458 @@
+//! The only place that launches kernels. Every launch function here is safe: it receives its
+//! buffers as [`Dev`] arguments (address, element count, cudarc's sync guard), checks every
+//! bound the kernel relies on against the shape, and only then launches. The SAFETY notes answer
+//! cudarc's three launch hazards:
+//! - **types**: the kernel's single parameter is the `#[repr(C)]` struct from `lmhead_core::params`
+//!   that the device entry takes by value (the same definition on both sides);
+//! - **writes**: outputs come from `DevicePtrMut` (exclusive borrows), and cudarc's guards order
+//!   them after earlier work on other streams;
+//! - **bounds**: the length checks in each function cover every element the kernel touches for
+//!   the launched grid (the kernels mask rows ≥ t, columns ≥ v and K tails).
+
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop};
+use lmhead_core::config::{fixed, kernel_name, Family, TileConfig};
+use lmhead_core::params::{CastParams, GemmParams, LogitsParams, MergeParams, NaiveParams, LABELS_I32, LABELS_I64};
+
+use crate::device::Gpu;
+use crate::error::{Context as _, Error, Result};
+
+/// A device buffer argument, checked to belong to the stream's context.
+pub struct Dev<'a> {
+    pub ptr: u64,
+    pub len: usize,
+    pub what: &'static str,
+    _sync: Option<SyncOnDrop<'a>>,
+}
+
+fn same_context(a: &CudaStream, b: &CudaStream) -> bool {
+    a.context().cu_ctx() == b.context().cu_ctx()
+}
+
+/// A buffer the kernel reads.
+pub fn dev_in<'a, T>(buf: &'a (impl DevicePtr<T> + ?Sized), stream: &'a CudaStream, what: &'static str) -> Result<Dev<'a>> {
+    if !same_context(buf.stream(), stream) {
+        return Err(Error::WrongContext { what });
+    }
+    let len = buf.len();
+    let (ptr, sync) = buf.device_ptr(stream);
+    Ok(Dev { ptr, len, what, _sync: Some(sync) })
+}
+
+/// A buffer the kernel writes.
+pub fn dev_out<'a, T>(buf: &'a mut (impl DevicePtrMut<T> + ?Sized), stream: &'a CudaStream, what: &'static str) -> Result<Dev<'a>> {
+    if !same_context(buf.stream(), stream) {
+        return Err(Error::WrongContext { what });
+    }
+    let len = buf.len();
+    let (ptr, sync) = buf.device_ptr_mut(stream);
+    Ok(Dev { ptr, len, what, _sync: Some(sync) })
+}
+
+impl Dev<'_> {
+    /// Elements `[start, start + len)` of this buffer (`elem` bytes each), for a kernel that
+    /// writes or reads part of it. The parent's guard keeps ordering the whole buffer.
+    pub fn sub(&self, start: usize, len: usize, elem: usize) -> Result<Dev<'_>> {
+        if start + len > self.len {
+            return Err(Error::Length { what: self.what, expected: start + len, got: self.len });
+        }
+        Ok(Dev { ptr: self.ptr + (start * elem) as u64, len, what: self.what, _sync: None })
+    }
+
+    /// At least `n` elements, and aligned to `align` bytes.
+    pub fn check(&self, n: usize, align: usize) -> Result<u64> {
+        if self.len < n {
+            return Err(Error::Length { what: self.what, expected: n, got: self.len });
+        }
+        if self.ptr % align as u64 != 0 {
+            return Err(Error::Misaligned { what: self.what, align });
+        }
+        Ok(self.ptr)
+    }
+
+    /// Exactly `n` elements (user-facing buffers: a longer buffer is usually a shape mistake).
+    pub fn check_exact(&self, n: usize, align: usize) -> Result<u64> {
+        if self.len != n {
+            return Err(Error::Length { what: self.what, expected: n, got: self.len });
+        }
+        self.check(n, align)
+    }
+}
+
+/// Token labels, `i32` or `i64`.
+pub struct Labels<'a> {
+    pub dev: Dev<'a>,
+    pub kind: u32,
+}
+
+impl Labels<'_> {
+    fn elem(&self) -> usize {
+        if self.kind == LABELS_I64 {
+            8
+        } else {
+            4
+        }
+    }
+}
+
+pub fn labels_i32<'a>(buf: &'a (impl DevicePtr<i32> + ?Sized), s: &'a CudaStream) -> Result<Labels<'a>> {
+    Ok(Labels { dev: dev_in(buf, s, "labels")?, kind: LABELS_I32 })
+}
+
+pub fn labels_i64<'a>(buf: &'a (impl DevicePtr<i64> + ?Sized), s: &'a CudaStream) -> Result<Labels<'a>> {
+    Ok(Labels { dev: dev_in(buf, s, "labels")?, kind: LABELS_I64 })
+}
+
+/// A kernel parameter struct passed by value.
+#[repr(transparent)]
+#[derive(Clone, Copy)]
+struct Arg<T>(T);
+// SAFETY: each of these is a `#[repr(C)]` plain-old-data struct of integers and floats, the exact
+// type the device entry point declares as its one by-value parameter.
+unsafe impl DeviceRepr for Arg<LogitsParams> {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for Arg<GemmParams> {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for Arg<MergeParams> {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for Arg<CastParams> {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for Arg<NaiveParams> {}
+// SAFETY: `Partial` is `#[repr(C, align(16))]` of four f32; any bit pattern is valid.
+unsafe impl DeviceRepr for crate::workspace::PartialRepr {}
+// SAFETY: zero bits are four 0.0 f32.
+unsafe impl cudarc::driver::ValidAsZeroBits for crate::workspace::PartialRepr {}
+
+fn launch<T: Copy>(gpu: &Gpu, stream: &CudaStream, name: &str, smem: u32, grid: (u32, u32), threads: u32, p: T) -> Result<()>
+where
+    Arg<T>: DeviceRepr,
+{
+    let f = gpu.function(name, smem)?;
+    let cfg = LaunchConfig { grid_dim: (grid.0, grid.1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem };
+    let arg = Arg(p);
+    let mut b = stream.launch_builder(&f);
+    b.arg(&arg);
+    // SAFETY: see the module docs; every caller checked the bounds of the buffers in `p` for
+    // this grid, and `name`'s entry takes exactly `T` by value.
+    unsafe { b.launch(cfg) }.during(|| format!("launching `{name}` grid {grid:?}"))?;
+    Ok(())
+}
+
+/// Scalars shared by the logits kernels.
+#[derive(Clone, Copy, Debug)]
+pub struct Scalars {
+    pub inv_temp: f32,
+    pub ignore_index: i64,
+    pub v_begin: i64,
+}
+
+impl Scalars {
+    fn fill(&self, p: &mut LogitsParams) {
+        p.inv_temp = self.inv_temp;
+        p.scale2 = (lmhead_core::lse::LOG2_E as f32) * self.inv_temp;
+        p.ignore_index = self.ignore_index;
+        p.v_begin = self.v_begin;
+    }
+}
+
+/// Shape of a logits launch: `t` tokens, `v` local vocab rows, `d` hidden.
+#[derive(Clone, Copy, Debug)]
+pub struct Dims {
+    pub t: usize,
+    pub v: usize,
+    pub d: usize,
+}
+
+fn check_hw(h: &Dev, w: &Dev, labels: &Labels, dims: Dims) -> Result<(u64, u64, u64)> {
+    // cp.async reads 16-byte chunks: rows of h and W must start 16-byte aligned (d % 8 == 0 is
+    // checked by the shape check; the base address here).
+    let hp = h.check_exact(dims.t * dims.d, 16)?;
+    let wp = w.check_exact(dims.v * dims.d, 16)?;
+    let lp = labels.dev.check_exact(dims.t, labels.elem())?;
+    Ok((hp, wp, lp))
+}
+
+/// The forward mainloop: writes `partials[split][row]` for every split of `plan` and row `< t`.
+#[allow(clippy::too_many_arguments)]
+pub fn fwd_mainloop(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    entropy: bool,
+    cfg: TileConfig,
+    tiles_per_split: u32,
+    dims: Dims,
+    sc: Scalars,
+    h: &Dev,
+    w: &Dev,
+    labels: &Labels,
+    partials: &Dev,
+) -> Result<u32> {
+    let family = if entropy { Family::FwdEnt } else { Family::Fwd };
+    let (hp, wp, lp) = check_hw(h, w, labels, dims)?;
+    let v_tiles = dims.v.div_ceil(cfg.bn as usize) as u32;
+    if tiles_per_split == 0 {
+        return Err(Error::Config("tiles_per_split must be ≥ 1".into()));
+    }
+    let n_splits = v_tiles.div_ceil(tiles_per_split);
+    let pp = partials.check(n_splits as usize * dims.t, 16)?;
+    let mut p = LogitsParams {
+        h: hp,
+        w: wp,
+        labels: lp,
+        partials: pp,
+        h_row_stride: dims.d as u64,
+        w_row_stride: dims.d as u64,
+        t: dims.t as u32,
+        v: dims.v as u32,
+        d: dims.d as u32,
+        label_kind: labels.kind,
+        tiles_per_split,
+        ..Default::default()
+    };
+    sc.fill(&mut p);
+    let grid = (dims.t.div_ceil(cfg.bm as usize) as u32, n_splits);
+    launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
+    Ok(n_splits)
+}
+
+/// Backward d-logits of the chunk `[chunk_begin, chunk_begin + chunk)` of the local vocab into
+/// `staging [t][stride]`.
+#[allow(clippy::too_many_arguments)]
+pub fn bwd_dlogits(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    cfg: TileConfig,
+    dims: Dims,
+    sc: Scalars,
+    (chunk_begin, chunk, stride): (usize, usize, usize),
+    h: &Dev,
+    w: &Dev,
+    labels: &Labels,
+    lse: &Dev,
+    grad_logprob: Option<&Dev>,
+    ent: Option<(&Dev, &Dev)>,
+    staging: &Dev,
+) -> Result<()> {
+    let (hp, wp, lp) = check_hw(h, w, labels, dims)?;
+    if chunk == 0 || chunk_begin + chunk > dims.v || stride % 8 != 0 || stride < chunk {
+        return Err(Error::Config(format!("bad vocab chunk {chunk_begin}+{chunk} (stride {stride}) of v = {}", dims.v)));
+    }
+    let mut p = LogitsParams {
+        h: hp,
+        w: wp,
+        labels: lp,
+        lse: lse.check_exact(dims.t, 4)?,
+        staging: staging.check(dims.t * stride, 16)?,
+        h_row_stride: dims.d as u64,
+        w_row_stride: dims.d as u64,
+        staging_stride: stride as u64,
+        t: dims.t as u32,
+        v: dims.v as u32,
+        d: dims.d as u32,
+        label_kind: labels.kind,
+        v_chunk_begin: chunk_begin as u32,
+        v_chunk: chunk as u32,
+        ..Default::default()
+    };
+    if let Some(g) = grad_logprob {
+        p.grad_logprob = g.check_exact(dims.t, 4)?;
+    }
+    let family = match ent {
+        Some((g, e)) => {
+            p.grad_entropy = g.check_exact(dims.t, 4)?;
+            p.entropy = e.check_exact(dims.t, 4)?;
+            Family::BwdDlogitsEnt
+        }
+        None => Family::BwdDlogits,
+    };
+    sc.fill(&mut p);
+    // Columns beyond the chunk up to a whole tile are written only below `stride`.
+    let grid = (dims.t.div_ceil(cfg.bm as usize) as u32, stride.div_ceil(cfg.bn as usize) as u32);
+    launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)
+}
+
+/// How a backward GEMM treats its f32 accumulator and output.
+#[derive(Clone, Copy, Debug)]
+pub struct GemmOut {
+    /// Add the accumulator's current contents.
+    pub accumulate: bool,
+    /// Write the sum back to the accumulator.
+    pub write_acc: bool,
+    /// Write the sum to `out` as f32 (else bf16), when `out` is given.
+    pub out_f32: bool,
+}
+
+/// `C[m][n] (+)= Σ_k A · B` for the backward: `family` is `BwdDh` (A `[m][k]` K-major) or `BwdDw`
+/// (A `[k][m]` M-major, i.e. the staging buffer read transposed); B is `[k][n]`.
+#[allow(clippy::too_many_arguments)]
+pub fn bwd_gemm(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    family: Family,
+    cfg: TileConfig,
+    (m, n, k): (usize, usize, usize),
+    (a, a_stride): (&Dev, usize),
+    (b, b_stride): (&Dev, usize),
+    acc: Option<&Dev>,
+    out: Option<&Dev>,
+    mode: GemmOut,
+) -> Result<()> {
+    if n % 8 != 0 || a_stride % 8 != 0 || b_stride % 8 != 0 || b_stride < n {
+        return Err(Error::Config(format!("gemm needs n, strides multiples of 8 (n {n}, strides {a_stride}, {b_stride})")));
+    }
+    // A is read in whole 16-byte chunks up to its column bound rounded up to 8.
+    let a_need = match family {
+        Family::BwdDh => {
+            if a_stride < k.next_multiple_of(8) {
+                return Err(Error::Config("dh: A stride below k".into()));
+            }
+            m * a_stride
+        }
+        Family::BwdDw => {
+            if a_stride < m.next_multiple_of(8) {
+                return Err(Error::Config("dW: A stride below m".into()));
+            }
+            k * a_stride
+        }
+        _ => return Err(Error::Config(format!("{family:?} is not a GEMM family"))),
+    };
+    let mut p = GemmParams {
+        a: a.check(a_need, 16)?,
+        b: b.check(k * b_stride, 16)?,
+        a_stride: a_stride as u64,
+        b_stride: b_stride as u64,
+        c_stride: n as u64,
+        m: m as u32,
+        n: n as u32,
+        k: k as u32,
+        accumulate: mode.accumulate as u32,
+        write_acc: mode.write_acc as u32,
+        out_f32: mode.out_f32 as u32,
+        ..Default::default()
+    };
+    if mode.accumulate || mode.write_acc {
+        p.c_acc = acc.ok_or_else(|| Error::Config("gemm: accumulator missing".into()))?.check(m * n, 8)?;
+    }
+    if let Some(o) = out {
+        p.c_out = o.check(m * n, if mode.out_f32 { 8 } else { 4 })?;
+    }
+    let grid = (m.div_ceil(cfg.bm as usize) as u32, n.div_ceil(cfg.bn as usize) as u32);
+    launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)
+}
+
+/// Which per-row merge kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MergeStep {
+    /// Partials → outputs (one device).
+    Full,
+    /// Partials → row states (tensor parallel).
+    RowState,
+    /// Row states → rescaled to the reduced maximum.
+    Rescale,
+    /// Reduced row states → outputs.
+    Finish,
+}
+
+/// Outputs of the merge steps that write them.
+pub struct MergeOuts<'a, 'b> {
+    pub logprob: &'b Dev<'a>,
+    pub lse: &'b Dev<'a>,
+    pub entropy: Option<&'b Dev<'a>>,
+    pub status: &'b Dev<'a>,
+}
+
+/// One per-row merge step over `t` rows.
+#[allow(clippy::too_many_arguments)]
+pub fn merge(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    step: MergeStep,
+    t: usize,
+    n_splits: u32,
+    (v_total, v_begin, ignore_index): (i64, i64, i64),
+    labels: &Labels,
+    partials: Option<&Dev>,
+    row_state: Option<&Dev>,
+    outs: Option<MergeOuts>,
+) -> Result<()> {
+    let mut p = MergeParams {
+        t: t as u32,
+        n_splits,
+        v_total,
+        v_begin,
+        ignore_index,
+        label_kind: labels.kind,
+        labels: labels.dev.check_exact(t, labels.elem())?,
+        ..Default::default()
+    };
+    let need_partials = matches!(step, MergeStep::Full | MergeStep::RowState);
+    let need_state = step != MergeStep::Full;
+    let need_outs = matches!(step, MergeStep::Full | MergeStep::Finish);
+    if need_partials {
+        p.partials = partials.ok_or_else(|| Error::Config("merge: partials missing".into()))?.check(n_splits as usize * t, 16)?;
+    }
+    if need_state {
+        p.row_state = row_state.ok_or_else(|| Error::Config("merge: row state missing".into()))?.check(5 * t, 4)?;
+    }
+    if need_outs {
+        let o = outs.ok_or_else(|| Error::Config("merge: outputs missing".into()))?;
+        p.logprob = o.logprob.check_exact(t, 4)?;
+        p.lse = o.lse.check_exact(t, 4)?;
+        p.status = o.status.check(1, 4)?;
+        if let Some(e) = o.entropy {
+            p.entropy = e.check_exact(t, 4)?;
+        }
+    }
+    let name = match step {
+        MergeStep::Full => fixed::FWD_MERGE,
+        MergeStep::RowState => fixed::FWD_ROW_STATE,
+        MergeStep::Rescale => fixed::FWD_RESCALE,
+        MergeStep::Finish => fixed::FWD_FINISH,
+    };
+    let grid = ((t as u32).div_ceil(fixed::THREADS), 1);
+    launch(gpu, stream, name, 0, grid, fixed::THREADS, p)
+}
+
+/// `dst = bf16(src)` over `n` elements.
+pub fn cast_f32_bf16(gpu: &Gpu, stream: &CudaStream, n: usize, src: &Dev, dst: &Dev) -> Result<()> {
+    let p = CastParams { src: src.check(n, 4)?, dst: dst.check(n, 2)?, n: n as u64 };
+    let blocks = (n.div_ceil(fixed::THREADS as usize)).clamp(1, 65_535 * 8) as u32;
+    launch(gpu, stream, fixed::CAST_F32_BF16, 0, (blocks, 1), fixed::THREADS, p)
+}
+
+/// Level 00: the naive forward (one block per token).
+#[allow(clippy::too_many_arguments)]
+pub fn naive_fwd(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    dims: Dims,
+    sc: Scalars,
+    h: &Dev,
+    w: &Dev,
+    labels: &Labels,
+    logprob: &Dev,
+    lse: &Dev,
+    entropy: Option<&Dev>,
+) -> Result<()> {
+    let (hp, wp, lp) = check_hw(h, w, labels, dims)?;
+    if sc.v_begin != 0 {
+        return Err(Error::Config("the naive kernel has no tensor-parallel mode".into()));
+    }
+    let mut p = NaiveParams {
+        h: hp,
+        w: wp,
+        labels: lp,
+        logprob: logprob.check_exact(dims.t, 4)?,
+        lse: lse.check_exact(dims.t, 4)?,
+        ignore_index: sc.ignore_index,
+        t: dims.t as u32,
+        v: dims.v as u32,
+        d: dims.d as u32,
+        label_kind: labels.kind,
+        inv_temp: sc.inv_temp,
+        ..Default::default()
+    };
+    if let Some(e) = entropy {
+        p.entropy = e.check_exact(dims.t, 4)?;
+    }
+    launch(gpu, stream, fixed::NAIVE_FWD, fixed::THREADS * 16, (dims.t as u32, 1), fixed::THREADS, p)
+}

@@ -1,0 +1,97 @@
+//! # lmhead: the fused LM head
+//!
+//! For tokens `h [t, d]` and an output embedding `W [v, d]` (bf16), the log-probability of each
+//! token's label under `softmax(h Wᵀ / T)`, optionally the entropy of that distribution, and the
+//! log-sum-exp; and the gradients `dh`, `dW` of any combination of those. The `t × v` logits are
+//! never materialised: the forward folds each tensor-core tile into an online log-sum-exp, the
+//! backward recomputes tiles in vocab chunks.
+//!
+//! - [`LmHead`] runs the Rust-written kernels on an H100/H200 through `cudarc`.
+//! - [`cpu`] is the f64 reference, the backend on machines without a GPU.
+//! - [`tp`] adds vocab-parallel tensor parallelism (and documents context parallelism).
+//!
+//! Every call validates its shapes, lengths, alignment, options and (by default) labels, and
+//! answers bad input with an [`Error`], never a panic or a plausible wrong number.
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+
+pub mod bwd;
+pub mod cpu;
+pub mod device;
+pub mod error;
+pub mod fwd;
+pub mod launch;
+pub mod ptx;
+pub mod testing;
+
+pub mod tune;
+pub mod workspace;
+
+use std::sync::{Arc, Mutex};
+
+pub use cudarc;
+pub use device::{driver_present, DeviceInfo, Gpu};
+pub use error::{Error, Result};
+pub use half::bf16;
+pub use lmhead_core::{Family, Problem, TileConfig, TokenBucket};
+
+pub use bwd::{BwdConfigs, BwdInputs, BwdOptions, BwdReport, GradOut};
+pub use fwd::{FwdInputs, FwdOptions, FwdOutputs, FwdReport};
+pub use tune::{Choice, Tuner};
+
+/// Label element types the kernels read: `i32` and `i64`.
+pub trait LabelType: cudarc::driver::DeviceRepr + Copy + Into<i64> {
+    #[doc(hidden)]
+    fn labels<'a>(buf: &'a (impl cudarc::driver::DevicePtr<Self> + ?Sized), s: &'a cudarc::driver::CudaStream) -> Result<launch::Labels<'a>>;
+}
+
+impl LabelType for i32 {
+    fn labels<'a>(buf: &'a (impl cudarc::driver::DevicePtr<Self> + ?Sized), s: &'a cudarc::driver::CudaStream) -> Result<launch::Labels<'a>> {
+        launch::labels_i32(buf, s)
+    }
+}
+
+impl LabelType for i64 {
+    fn labels<'a>(buf: &'a (impl cudarc::driver::DevicePtr<Self> + ?Sized), s: &'a cudarc::driver::CudaStream) -> Result<launch::Labels<'a>> {
+        launch::labels_i64(buf, s)
+    }
+}
+
+/// The fused LM head on one GPU: the device, the tuner (with its cache) and the scratch
+/// workspace. Calls on one `LmHead` are serialised by its internal lock; use one per stream for
+/// concurrency.
+pub struct LmHead {
+    gpu: Arc<Gpu>,
+    tuner: Tuner,
+    ws: Mutex<workspace::Workspace>,
+}
+
+impl LmHead {
+    /// Open device `ordinal` with the default tuner (autotuning unless `LMHEAD_AUTOTUNE=0`,
+    /// cache in the user's cache directory unless `LMHEAD_TUNE_CACHE` names a file).
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let gpu = Gpu::new(ordinal)?;
+        Ok(Self::with_tuner(gpu.clone(), Tuner::from_env(gpu.info())))
+    }
+
+    pub fn with_tuner(gpu: Arc<Gpu>, tuner: Tuner) -> Self {
+        Self { gpu, tuner, ws: Mutex::new(workspace::Workspace::new()) }
+    }
+
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    pub fn tuner(&self) -> &Tuner {
+        &self.tuner
+    }
+
+    /// Bytes of device memory the workspace holds now.
+    pub fn workspace_bytes(&self) -> usize {
+        self.ws.lock().unwrap().bytes()
+    }
+
+    /// Free the workspace (it is re-allocated on the next call).
+    pub fn release_workspace(&self) {
+        self.ws.lock().unwrap().release();
+    }
+}

@@ -1,0 +1,328 @@
+//! Every PTX instruction the kernels use, each behind a small `unsafe fn` (or a safe one where no
+//! precondition exists). This is the only file with `asm!`; each wrapper's `# Safety` lists the
+//! exact conditions under which the instruction is undefined behaviour.
+//!
+//! Shared-memory addresses are 32-bit offsets in the shared window (`SmemAddr`), as `ld.shared`,
+//! `cp.async`, `ldmatrix` take them.
+
+use core::arch::asm;
+
+/// An address in the shared-memory window of the block (bytes).
+pub type SmemAddr = u32;
+
+core::arch::global_asm!(".extern .shared .align 1024 .b8 lmhead_smem[];");
+
+/// Base address of the block's dynamic shared memory.
+#[inline(always)]
+pub fn smem_base() -> SmemAddr {
+    let r: u32;
+    // SAFETY: reading the address of a symbol has no preconditions.
+    unsafe { asm!("mov.u32 {r}, lmhead_smem;", r = out(reg32) r, options(pure, nomem, nostack)) };
+    r
+}
+
+#[inline(always)]
+pub fn thread_idx() -> u32 {
+    let r: u32;
+    // SAFETY: reading a special register has no preconditions.
+    unsafe { asm!("mov.u32 {r}, %tid.x;", r = out(reg32) r, options(pure, nomem, nostack)) };
+    r
+}
+
+#[inline(always)]
+pub fn block_idx_x() -> u32 {
+    let r: u32;
+    // SAFETY: reading a special register has no preconditions.
+    unsafe { asm!("mov.u32 {r}, %ctaid.x;", r = out(reg32) r, options(pure, nomem, nostack)) };
+    r
+}
+
+#[inline(always)]
+pub fn block_idx_y() -> u32 {
+    let r: u32;
+    // SAFETY: reading a special register has no preconditions.
+    unsafe { asm!("mov.u32 {r}, %ctaid.y;", r = out(reg32) r, options(pure, nomem, nostack)) };
+    r
+}
+
+#[inline(always)]
+pub fn grid_dim_x() -> u32 {
+    let r: u32;
+    // SAFETY: reading a special register has no preconditions.
+    unsafe { asm!("mov.u32 {r}, %nctaid.x;", r = out(reg32) r, options(pure, nomem, nostack)) };
+    r
+}
+
+/// `bar.sync 0`: block-wide barrier, also ordering shared-memory accesses.
+///
+/// # Safety
+/// Every thread of the block must reach this call the same number of times (no call under a
+/// condition that differs between threads), or the block deadlocks.
+#[inline(always)]
+pub unsafe fn sync_threads() {
+    // SAFETY: the caller upholds uniform arrival.
+    unsafe { asm!("bar.sync 0;", options(nostack)) };
+}
+
+/// `cp.async.cg.shared.global` of 16 bytes, zero-filling when `valid` is false.
+///
+/// # Safety
+/// `dst` must be a 16-byte aligned address inside the block's shared memory. When `valid`,
+/// `src` must point to 16 readable, 16-byte aligned bytes of global memory; when not, nothing is
+/// read from `src` (source size 0), but it must still be a global address.
+#[inline(always)]
+pub unsafe fn cp_async_16(dst: SmemAddr, src: *const u8, valid: bool) {
+    let size: u32 = if valid { 16 } else { 0 };
+    // SAFETY: the caller guarantees both addresses; `size` ≤ 16.
+    unsafe {
+        asm!(
+            "cp.async.cg.shared.global [{d}], [{s}], 16, {n};",
+            d = in(reg32) dst,
+            s = in(reg64) src,
+            n = in(reg32) size,
+            options(nostack)
+        )
+    };
+}
+
+/// `cp.async.commit_group`: closes the group of `cp.async` issued by this thread so far.
+#[inline(always)]
+pub fn cp_async_commit() {
+    // SAFETY: committing a (possibly empty) group has no preconditions.
+    unsafe { asm!("cp.async.commit_group;", options(nostack)) };
+}
+
+/// `cp.async.wait_group N`: waits until at most `N` of this thread's groups are pending.
+#[inline(always)]
+pub fn cp_async_wait<const N: usize>() {
+    // SAFETY: waiting has no preconditions.
+    unsafe { asm!("cp.async.wait_group {n};", n = const N, options(nostack)) };
+}
+
+/// `ldmatrix.sync.aligned.m8n8.x4.shared.b16`: four 8×8 b16 matrices, one row address per lane.
+///
+/// # Safety
+/// Must be executed by all 32 lanes of the warp together; each lane's `addr` must be a 16-byte
+/// aligned shared address with 16 readable bytes.
+#[inline(always)]
+pub unsafe fn ldmatrix_x4(addr: SmemAddr) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: the caller guarantees warp convergence and the address.
+    unsafe {
+        asm!(
+            "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{a}, {b}, {c}, {d}}}, [{p}];",
+            a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+            p = in(reg32) addr,
+            options(nostack, readonly)
+        )
+    };
+    [a, b, c, d]
+}
+
+/// `ldmatrix ... .x4.trans`: as [`ldmatrix_x4`], each 8×8 matrix transposed.
+///
+/// # Safety
+/// As [`ldmatrix_x4`].
+#[inline(always)]
+pub unsafe fn ldmatrix_x4_trans(addr: SmemAddr) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: the caller guarantees warp convergence and the address.
+    unsafe {
+        asm!(
+            "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{{a}, {b}, {c}, {d}}}, [{p}];",
+            a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+            p = in(reg32) addr,
+            options(nostack, readonly)
+        )
+    };
+    [a, b, c, d]
+}
+
+/// `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`: `c += a · b` on one warp.
+///
+/// # Safety
+/// Must be executed by all 32 lanes of the warp together (`.aligned`).
+#[inline(always)]
+pub unsafe fn mma_bf16_16816(c: &mut [f32; 4], a: &[u32; 4], b: &[u32; 2]) {
+    // SAFETY: the caller guarantees warp convergence; operands are plain registers.
+    unsafe {
+        asm!(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{d0}, {d1}, {d2}, {d3}}}, {{{a0}, {a1}, {a2}, {a3}}}, {{{b0}, {b1}}}, {{{d0}, {d1}, {d2}, {d3}}};",
+            d0 = inout(reg32) c[0], d1 = inout(reg32) c[1], d2 = inout(reg32) c[2], d3 = inout(reg32) c[3],
+            a0 = in(reg32) a[0], a1 = in(reg32) a[1], a2 = in(reg32) a[2], a3 = in(reg32) a[3],
+            b0 = in(reg32) b[0], b1 = in(reg32) b[1],
+            options(pure, nomem, nostack)
+        )
+    };
+}
+
+/// `2^x` (`ex2.approx.ftz.f32`: about 2 ulp, subnormal results flushed to 0; `2^−∞ = 0`).
+#[inline(always)]
+pub fn exp2(x: f32) -> f32 {
+    let r: f32;
+    // SAFETY: a pure arithmetic instruction.
+    unsafe { asm!("ex2.approx.ftz.f32 {r}, {x};", r = out(reg32) r, x = in(reg32) x, options(pure, nomem, nostack)) };
+    r
+}
+
+/// `a · b + c` with one rounding (`fma.rn.f32`).
+#[inline(always)]
+pub fn fma(a: f32, b: f32, c: f32) -> f32 {
+    let r: f32;
+    // SAFETY: a pure arithmetic instruction.
+    unsafe {
+        asm!("fma.rn.f32 {r}, {a}, {b}, {c};", r = out(reg32) r, a = in(reg32) a, b = in(reg32) b, c = in(reg32) c, options(pure, nomem, nostack))
+    };
+    r
+}
+
+/// `log2 x` (`lg2.approx.ftz.f32`).
+#[inline(always)]
+pub fn log2(x: f32) -> f32 {
+    let r: f32;
+    // SAFETY: a pure arithmetic instruction.
+    unsafe { asm!("lg2.approx.ftz.f32 {r}, {x};", r = out(reg32) r, x = in(reg32) x, options(pure, nomem, nostack)) };
+    r
+}
+
+/// Butterfly shuffle across the full warp (`shfl.sync.bfly.b32`, mask all lanes).
+///
+/// # Safety
+/// All 32 lanes of the warp must execute it together.
+#[inline(always)]
+pub unsafe fn shfl_xor(x: f32, lane_mask: u32) -> f32 {
+    let r: f32;
+    // SAFETY: the caller guarantees the full warp is converged.
+    unsafe {
+        asm!(
+            "shfl.sync.bfly.b32 {r}, {x}, {m}, 31, -1;",
+            r = out(reg32) r, x = in(reg32) x, m = in(reg32) lane_mask,
+            options(nostack, nomem)
+        )
+    };
+    r
+}
+
+/// `st.shared.v4.f32`.
+///
+/// # Safety
+/// `addr` must be a 16-byte aligned shared address with 16 writable bytes.
+#[inline(always)]
+pub unsafe fn st_shared_v4(addr: SmemAddr, v: [f32; 4]) {
+    // SAFETY: the caller guarantees the address.
+    unsafe {
+        asm!(
+            "st.shared.v4.f32 [{p}], {{{a}, {b}, {c}, {d}}};",
+            p = in(reg32) addr, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3],
+            options(nostack)
+        )
+    };
+}
+
+/// `ld.shared.v4.f32`.
+///
+/// # Safety
+/// `addr` must be a 16-byte aligned shared address with 16 readable bytes.
+#[inline(always)]
+pub unsafe fn ld_shared_v4(addr: SmemAddr) -> [f32; 4] {
+    let (a, b, c, d): (f32, f32, f32, f32);
+    // SAFETY: the caller guarantees the address.
+    unsafe {
+        asm!(
+            "ld.shared.v4.f32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+            p = in(reg32) addr, a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+            options(nostack, readonly)
+        )
+    };
+    [a, b, c, d]
+}
+
+/// `st.global.v4.f32`.
+///
+/// # Safety
+/// `p` must be a 16-byte aligned global address with 16 writable bytes.
+#[inline(always)]
+pub unsafe fn st_global_v4(p: *mut f32, v: [f32; 4]) {
+    // SAFETY: the caller guarantees the address.
+    unsafe {
+        asm!(
+            "st.global.v4.f32 [{p}], {{{a}, {b}, {c}, {d}}};",
+            p = in(reg64) p, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3],
+            options(nostack)
+        )
+    };
+}
+
+/// `ld.global.v4.f32`.
+///
+/// # Safety
+/// `p` must be a 16-byte aligned global address with 16 readable bytes.
+#[inline(always)]
+pub unsafe fn ld_global_v4(p: *const f32) -> [f32; 4] {
+    let (a, b, c, d): (f32, f32, f32, f32);
+    // SAFETY: the caller guarantees the address.
+    unsafe {
+        asm!(
+            "ld.global.v4.f32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+            p = in(reg64) p, a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+            options(nostack, readonly)
+        )
+    };
+    [a, b, c, d]
+}
+
+/// `st.global.v2.f32`.
+///
+/// # Safety
+/// `p` must be an 8-byte aligned global address with 8 writable bytes.
+#[inline(always)]
+pub unsafe fn st_global_v2(p: *mut f32, a: f32, b: f32) {
+    // SAFETY: the caller guarantees the address.
+    unsafe {
+        asm!("st.global.v2.f32 [{p}], {{{a}, {b}}};", p = in(reg64) p, a = in(reg32) a, b = in(reg32) b, options(nostack))
+    };
+}
+
+/// `ld.global.v2.f32`.
+///
+/// # Safety
+/// `p` must be an 8-byte aligned global address with 8 readable bytes.
+#[inline(always)]
+pub unsafe fn ld_global_v2(p: *const f32) -> (f32, f32) {
+    let (a, b): (f32, f32);
+    // SAFETY: the caller guarantees the address.
+    unsafe {
+        asm!("ld.global.v2.f32 {{{a}, {b}}}, [{p}];", p = in(reg64) p, a = out(reg32) a, b = out(reg32) b, options(nostack, readonly))
+    };
+    (a, b)
+}
+
+/// Two f32 rounded to bf16 (round to nearest even) and packed: `lo` in bits 0..16, `hi` in 16..32.
+#[inline(always)]
+pub fn pack_bf16x2(lo: f32, hi: f32) -> u32 {
+    let r: u32;
+    // SAFETY: a pure conversion instruction.
+    unsafe {
+        asm!("cvt.rn.bf16x2.f32 {r}, {h}, {l};", r = out(reg32) r, h = in(reg32) hi, l = in(reg32) lo, options(pure, nomem, nostack))
+    };
+    r
+}
+
+/// `atom.global.or.b32`.
+///
+/// # Safety
+/// `p` must be a 4-byte aligned global address.
+#[inline(always)]
+pub unsafe fn atomic_or(p: *mut u32, v: u32) {
+    // SAFETY: the caller guarantees the address.
+    unsafe {
+        asm!("red.global.or.b32 [{p}], {v};", p = in(reg64) p, v = in(reg32) v, options(nostack))
+    };
+}
+
+/// `trap`: aborts the kernel (used by the panic handler; a panic in a kernel is a bug).
+#[inline(always)]
+pub fn trap() -> ! {
+    // SAFETY: `trap` ends the kernel with an error the host sees at the next synchronisation.
+    unsafe { asm!("trap;", options(noreturn, nostack)) }
+}

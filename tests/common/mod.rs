@@ -1,0 +1,93 @@
+//! Shared test harness: run seeds (printed, replayable with `LMHEAD_SEED`), GPU detection that
+//! skips with a printed reason, uploads, and the one `check` that compares an output with its
+//! reference and reports the first bad indices.
+
+use std::sync::Arc;
+
+use lmhead::cudarc::driver::CudaStream;
+use lmhead::LmHead;
+use lmhead_reference::metrics::{compare, Compare};
+
+pub use lmhead_reference::rng::seed_from_env;
+
+/// The run seed of a test, printed so a failure can be replayed with `LMHEAD_SEED=<seed>`.
+pub fn run_seed(test: &str) -> u64 {
+    let s = seed_from_env();
+    println!("[{test}] seed {s} (replay: LMHEAD_SEED={s})");
+    s
+}
+
+/// Seed of case `i` of a run.
+pub fn case_seed(run: u64, i: usize) -> u64 {
+    lmhead_reference::rng::Rng::new(run ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64()
+}
+
+/// The GPU, or `None` with the reason printed. GPU tests run whenever a CUDA driver is present
+/// (set `LMHEAD_GPU_TESTS=0` to skip them); with `LMHEAD_GPU_TESTS=1` a missing GPU is a failure,
+/// so a run on the device cannot pass by skipping.
+pub fn gpu_or_skip(test: &str) -> Option<(LmHead, Arc<CudaStream>)> {
+    let want = std::env::var("LMHEAD_GPU_TESTS").ok();
+    if want.as_deref() == Some("0") {
+        println!("SKIP {test}: LMHEAD_GPU_TESTS=0");
+        return None;
+    }
+    if !lmhead::driver_present() {
+        assert!(want.as_deref() != Some("1"), "{test}: LMHEAD_GPU_TESTS=1 but no CUDA driver is present");
+        println!("SKIP {test}: no CUDA driver on this machine (GPU tests need an H100/H200)");
+        return None;
+    }
+    match LmHead::new(0) {
+        Ok(head) => {
+            let stream = head.gpu().context().default_stream();
+            println!("[{test}] device: {:?}", head.gpu().info());
+            Some((head, stream))
+        }
+        Err(e) => {
+            assert!(want.as_deref() != Some("1"), "{test}: LMHEAD_GPU_TESTS=1 but the GPU could not be opened: {e}");
+            println!("SKIP {test}: {e}");
+            None
+        }
+    }
+}
+
+/// Tolerance of one element: `|x − r| ≤ tol(r, i)`.
+pub type Tol<'a> = &'a dyn Fn(usize, f64) -> f64;
+
+/// Compare `x` with `r` element-wise under `tol`, plus the global guards (no NaN where the
+/// reference is finite, a non-zero reference). Returns the summary; panics with the first bad
+/// indices, the case description and the seed.
+#[track_caller]
+pub fn check(what: &str, case: &str, x: &[f64], r: &[f64], tol: Tol) -> Compare {
+    assert_eq!(x.len(), r.len(), "{what} [{case}]: length");
+    let c = compare(x, r, 1e-6);
+    let mut bad = Vec::new();
+    for (i, (&a, &b)) in x.iter().zip(r).enumerate() {
+        let ok = if b.is_nan() {
+            a.is_nan()
+        } else if b.is_infinite() {
+            a == b
+        } else {
+            a.is_finite() && (a - b).abs() <= tol(i, b)
+        };
+        if !ok {
+            bad.push(i);
+        }
+    }
+    if !bad.is_empty() || c.nonfinite > 0 {
+        let lines: Vec<String> = bad.iter().take(8).map(|&i| format!("  [{i}] got {:.9e} want {:.9e} (tol {:.3e})", x[i], r[i], tol(i, r[i]))).collect();
+        panic!("{what} [{case}]: {} of {} elements out of tolerance; {c:?}\n{}", bad.len(), x.len(), lines.join("\n"));
+    }
+    c
+}
+
+/// Relative-L2 check with a norm guard (an all-zero reference proves nothing).
+#[track_caller]
+pub fn check_rel_l2(what: &str, case: &str, x: &[f64], r: &[f64], max_rel_l2: f64) -> Compare {
+    let c = compare(x, r, 1e-6);
+    assert!(c.ref_norm > 0.0, "{what} [{case}]: reference is all zeros, the check would prove nothing");
+    assert_eq!(c.nonfinite, 0, "{what} [{case}]: {} non-finite elements; {c:?}", c.nonfinite);
+    if c.rel_l2 > max_rel_l2 {
+        panic!("{what} [{case}]: rel_l2 {:.3e} > {max_rel_l2:.1e}; worst [{}] got {:.6e} want {:.6e}; {c:?}", c.rel_l2, c.worst, x[c.worst], r[c.worst]);
+    }
+    c
+}

@@ -1,0 +1,249 @@
+//! GPU parity of the backward (`dh`, `dW`) against the f64 reference (skipped without a driver).
+//!
+//! Upstream gradients are random N(0, 1) for log-prob only, entropy only, and both. Outputs are
+//! poisoned before the call. Thresholds (relative L2 over the checked rows): the d-logits are
+//! staged in bf16 (~2⁻⁹ relative rounding per element) and bf16 outputs round once more, so
+//! bf16 outputs must be within `6e-3` and f32 outputs within `4e-3` (public fused kernels land
+//! near 2.4e-3). Rows labelled `ignore_index` must be exactly zero in `dh`.
+
+use std::sync::Arc;
+
+use lmhead::cudarc::driver::{CudaSlice, CudaStream};
+use lmhead::testing::{download_bf16, download_f32, poison, upload, upload_bf16};
+use lmhead::{bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, Family, FwdInputs, FwdOptions, FwdOutputs, GradOut, LmHead, Problem};
+use lmhead_reference::rng::Rng;
+use lmhead_reference::{backward_dh_rows, backward_dw_rows, forward, Case, Grads, Structure, IGNORE_INDEX};
+use lmhead_tests::{case_seed, check_rel_l2, gpu_or_skip, run_seed};
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Upstream {
+    LogProb,
+    Entropy,
+    Both,
+}
+
+#[derive(Clone, Debug)]
+struct BwdCase {
+    t: usize,
+    v: usize,
+    d: usize,
+    s: Structure,
+    up: Upstream,
+    dh_f32: bool,
+    dw_f32: bool,
+    chunk: usize,
+    config: BwdConfigs,
+}
+
+impl BwdCase {
+    fn new(t: usize, v: usize, d: usize, up: Upstream) -> Self {
+        Self { t, v, d, s: Structure::default(), up, dh_f32: false, dw_f32: false, chunk: lmhead::bwd::DEFAULT_CHUNK, config: BwdConfigs::all(Choice::Fallback) }
+    }
+}
+
+const BF16_REL_L2: f64 = 6e-3;
+const F32_REL_L2: f64 = 4e-3;
+
+fn sample(n: usize, cost_per: usize, seed: u64) -> Vec<usize> {
+    let budget = 3.0e9;
+    if (n * cost_per) as f64 <= budget {
+        return (0..n).collect();
+    }
+    let k = ((budget / cost_per as f64) as usize).clamp(4, n);
+    let mut rng = Rng::new(seed);
+    let mut v: Vec<usize> = vec![0, n - 1];
+    v.extend((0..k).map(|_| rng.below(n as u64) as usize));
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &BwdCase, seed: u64) -> String {
+    let case = Case::generate(seed, c.t, c.v, c.d, &c.s);
+    let desc = format!("t={} v={} d={} {:?} dh_f32={} dw_f32={} chunk={} {:?} seed={seed} {:?}", c.t, c.v, c.d, c.up, c.dh_f32, c.dw_f32, c.chunk, c.config, c.s);
+    let p = Problem::new(c.t, c.v, c.d);
+    let h = upload_bf16(stream, &case.h).unwrap();
+    let w = upload_bf16(stream, &case.w).unwrap();
+    let labels = upload(stream, &case.labels).unwrap();
+    let temp = c.s.temperature as f32;
+    // Forward on the GPU for the saved lse / entropy (checked by gpu_fwd).
+    let mut lp: CudaSlice<f32> = stream.alloc_zeros(c.t).unwrap();
+    let mut lse: CudaSlice<f32> = stream.alloc_zeros(c.t).unwrap();
+    let mut ent: CudaSlice<f32> = stream.alloc_zeros(c.t).unwrap();
+    head.forward(
+        stream,
+        &FwdInputs { h: &h, w: &w, labels: &labels, problem: p },
+        &FwdOptions { temperature: temp, config: Choice::Fallback, ..Default::default() },
+        FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) },
+    )
+    .unwrap();
+    let mut rng = Rng::new(seed ^ 0xD1CE);
+    let gl: Vec<f32> = (0..c.t).map(|_| rng.normal() as f32).collect();
+    let ge: Vec<f32> = (0..c.t).map(|_| rng.normal() as f32).collect();
+    let (gl_d, ge_d) = (upload(stream, &gl).unwrap(), upload(stream, &ge).unwrap());
+    let use_lp = c.up != Upstream::Entropy;
+    let use_ent = c.up != Upstream::LogProb;
+
+    let mut dh16: CudaSlice<bf16> = stream.alloc_zeros(c.t * c.d).unwrap();
+    let mut dh32: CudaSlice<f32> = stream.alloc_zeros(c.t * c.d).unwrap();
+    let mut dw16: CudaSlice<bf16> = stream.alloc_zeros(c.v * c.d).unwrap();
+    let mut dw32: CudaSlice<f32> = stream.alloc_zeros(c.v * c.d).unwrap();
+    poison(stream, &mut dh16).unwrap();
+    poison(stream, &mut dh32).unwrap();
+    poison(stream, &mut dw16).unwrap();
+    poison(stream, &mut dw32).unwrap();
+    let x = BwdInputs {
+        h: &h,
+        w: &w,
+        labels: &labels,
+        lse: &lse,
+        entropy: use_ent.then_some(&ent as &dyn lmhead::cudarc::driver::DevicePtr<f32>),
+        grad_logprob: use_lp.then_some(&gl_d as &dyn lmhead::cudarc::driver::DevicePtr<f32>),
+        grad_entropy: use_ent.then_some(&ge_d as &dyn lmhead::cudarc::driver::DevicePtr<f32>),
+        problem: p,
+    };
+    let opts = BwdOptions { temperature: temp, chunk: c.chunk, config: c.config, ..Default::default() };
+    let dh_out = if c.dh_f32 { GradOut::F32(&mut dh32) } else { GradOut::Bf16(&mut dh16) };
+    let dw_out = if c.dw_f32 { GradOut::F32(&mut dw32) } else { GradOut::Bf16(&mut dw16) };
+    let rep = head.backward(stream, &x, &opts, dh_out, dw_out).unwrap_or_else(|e| panic!("backward failed [{desc}]: {e}"));
+    let gdh = if c.dh_f32 { download_f32(stream, &dh32).unwrap() } else { download_bf16(stream, &dh16).unwrap() };
+    let gdw = if c.dw_f32 { download_f32(stream, &dw32).unwrap() } else { download_bf16(stream, &dw16).unwrap() };
+
+    // Reference: saved statistics from the f64 forward (small shapes) or the GPU's (large).
+    let inp = case.inputs();
+    let (rlse, rent): (Vec<f64>, Vec<f64>) = if c.t * c.v * c.d <= 2_000_000_000 {
+        let r = forward(&inp);
+        (r.lse, r.entropy)
+    } else {
+        (download_f32(stream, &lse).unwrap(), download_f32(stream, &ent).unwrap())
+    };
+    let gl64: Vec<f64> = gl.iter().map(|&x| x as f64).collect();
+    let ge64: Vec<f64> = ge.iter().map(|&x| x as f64).collect();
+    let g = Grads { logprob: use_lp.then_some(&gl64[..]), entropy: use_ent.then_some(&ge64[..]) };
+    let rows = sample(c.t, c.v * c.d, seed);
+    let vrows = sample(c.v, c.t * c.d, seed ^ 1);
+    let rdh = backward_dh_rows(&inp, &rlse, &rent, &g, &rows);
+    let rdw = backward_dw_rows(&inp, &rlse, &rent, &g, &vrows);
+    let pick = |x: &[f64], rs: &[usize]| rs.iter().flat_map(|&i| x[i * c.d..(i + 1) * c.d].iter().copied()).collect::<Vec<f64>>();
+    let cdh = check_rel_l2("dh", &desc, &pick(&gdh, &rows), &rdh.concat(), if c.dh_f32 { F32_REL_L2 } else { BF16_REL_L2 });
+    let cdw = check_rel_l2("dW", &desc, &pick(&gdw, &vrows), &rdw.concat(), if c.dw_f32 { F32_REL_L2 } else { BF16_REL_L2 });
+    for &i in &rows {
+        if case.labels[i] == IGNORE_INDEX {
+            assert!(gdh[i * c.d..(i + 1) * c.d].iter().all(|&x| x == 0.0), "ignored row {i} of dh is not exactly zero [{desc}]");
+        }
+    }
+    format!(
+        "bwd t={:<5} v={:<6} d={:<5} {:?} chunk={} chunks={} dl={} dh={} dw={} dh_rel_l2={:.2e} dw_rel_l2={:.2e} (dh {} / dW {} rows) ws={}MiB",
+        c.t,
+        c.v,
+        c.d,
+        c.up,
+        rep.chunk,
+        rep.chunks,
+        lmhead_core::config::kernel_name(if use_ent { Family::BwdDlogitsEnt } else { Family::BwdDlogits }, rep.dlogits),
+        rep.dh.suffix(Family::BwdDh),
+        rep.dw.suffix(Family::BwdDw),
+        cdh.rel_l2,
+        cdw.rel_l2,
+        rows.len(),
+        vrows.len(),
+        rep.workspace_bytes >> 20
+    )
+}
+
+fn run_all(test: &str, cases: &[BwdCase]) {
+    let Some((head, stream)) = gpu_or_skip(test) else { return };
+    let seed = run_seed(test);
+    for (i, c) in cases.iter().enumerate() {
+        let line = run(&head, &stream, c, case_seed(seed, i));
+        println!("[{test}] {line}");
+    }
+}
+
+/// Shapes and upstream-gradient combinations; several chunks with a tail; f32 and bf16 outputs.
+#[test]
+fn shapes_and_upstreams() {
+    let mut cases = Vec::new();
+    for up in [Upstream::LogProb, Upstream::Entropy, Upstream::Both] {
+        cases.push(BwdCase::new(7, 3, 64, up));
+        let mut c = BwdCase::new(64, 1000, 1000, up);
+        c.chunk = 300;
+        c.dh_f32 = up == Upstream::Both;
+        cases.push(c);
+    }
+    let mut c = BwdCase::new(1000, 32000, 2048, Upstream::Both);
+    c.dw_f32 = true;
+    cases.push(c);
+    cases.push(BwdCase::new(4097, 50257, 4096, Upstream::LogProb));
+    cases.push(BwdCase::new(1, 151936, 8, Upstream::Both));
+    run_all("gpu_bwd::shapes_and_upstreams", &cases);
+}
+
+/// Temperature, ignored rows, planted labels, rows near ±1e4.
+#[test]
+fn structures() {
+    let base = Structure::default();
+    let mut cases = Vec::new();
+    for s in [
+        Structure { temperature: 0.7, ..base.clone() },
+        Structure { ignored: 0.5, ..base.clone() },
+        Structure { planted: 0.5, ..base.clone() },
+        Structure { all_negative: 0.3, huge: 0.3, ..base.clone() },
+        Structure { logit_std: 0.08, ..base.clone() },
+    ] {
+        let mut c = BwdCase::new(300, 5003, 512, Upstream::Both);
+        c.s = s;
+        c.chunk = 2048;
+        cases.push(c);
+    }
+    run_all("gpu_bwd::structures", &cases);
+}
+
+/// Every compiled candidate of each backward family at its tile boundaries.
+#[test]
+fn tile_boundaries_every_config() {
+    let mut cases = Vec::new();
+    for &cfg in Family::BwdDlogits.candidates() {
+        let (bm, bn, bk) = (cfg.bm as usize, cfg.bn as usize, cfg.bk as usize);
+        let mut c = BwdCase::new(bm + 1, 2 * bn + 3, 2 * bk + 8, Upstream::Both);
+        c.chunk = bn + 5;
+        c.config.dlogits = Choice::Fixed(cfg);
+        cases.push(c);
+    }
+    for &cfg in Family::BwdDh.candidates() {
+        let (bm, bn, bk) = (cfg.bm as usize, cfg.bn as usize, cfg.bk as usize);
+        let mut c = BwdCase::new(bm + 1, 4 * bk + 6, bn + 8, Upstream::LogProb);
+        c.chunk = 2 * bk + 3;
+        c.config.dh = Choice::Fixed(cfg);
+        c.config.dw = Choice::Fixed(cfg);
+        c.dh_f32 = bm % 128 == 0;
+        cases.push(c);
+    }
+    run_all("gpu_bwd::tile_boundaries_every_config", &cases);
+}
+
+/// The same inputs twice give bitwise identical gradients (no atomics).
+#[test]
+fn deterministic() {
+    let Some((head, stream)) = gpu_or_skip("gpu_bwd::deterministic") else { return };
+    let seed = run_seed("gpu_bwd::deterministic");
+    let (t, v, d) = (257, 3001, 256);
+    let case = Case::generate(seed, t, v, d, &Structure::default());
+    let p = Problem::new(t, v, d);
+    let h = upload_bf16(&stream, &case.h).unwrap();
+    let w = upload_bf16(&stream, &case.w).unwrap();
+    let labels = upload(&stream, &case.labels).unwrap();
+    let lse = upload(&stream, &vec![5.0f32; t]).unwrap();
+    let gl = upload(&stream, &vec![1.0f32; t]).unwrap();
+    let mut outs = Vec::new();
+    for _ in 0..2 {
+        let mut dh: CudaSlice<bf16> = stream.alloc_zeros(t * d).unwrap();
+        let mut dw: CudaSlice<bf16> = stream.alloc_zeros(v * d).unwrap();
+        let x = BwdInputs { h: &h, w: &w, labels: &labels, lse: &lse, entropy: None, grad_logprob: Some(&gl), grad_entropy: None, problem: p };
+        let opts = BwdOptions { chunk: 1000, config: BwdConfigs::all(Choice::Fallback), ..Default::default() };
+        head.backward(&stream, &x, &opts, GradOut::Bf16(&mut dh), GradOut::Bf16(&mut dw)).unwrap();
+        outs.push((stream.clone_dtoh(&dh).unwrap(), stream.clone_dtoh(&dw).unwrap()));
+    }
+    assert!(outs[0].0.iter().zip(&outs[1].0).all(|(a, b)| a.to_bits() == b.to_bits()), "dh differs between runs");
+    assert!(outs[0].1.iter().zip(&outs[1].1).all(|(a, b)| a.to_bits() == b.to_bits()), "dW differs between runs");
+}

@@ -1,0 +1,255 @@
+//! GPU parity of the forward against the f64 reference (skipped without a CUDA driver).
+//!
+//! Every case draws fresh inputs from the run seed (printed; `LMHEAD_SEED` replays), poisons
+//! the outputs with NaN before the launch, and checks every output element (or, for shapes whose
+//! reference would take minutes, a sample of rows that always includes the first and last).
+//!
+//! Tolerances (f32 accumulation of exact bf16 products, `ex2.approx`/`lg2.approx`):
+//! - log-prob, lse: `1e-4` absolute for rows with `|lse| < 100`; for rows whose logits are near
+//!   ±1e4 the f32 logits themselves carry ~`ulp(1e4)·√(d/16)` rounding, so `4e-6·|lse|`.
+//! - entropy: `1e-4 · max(1, H)`, and the same magnitude term for ±1e4 rows.
+//! - ignored rows: exactly 0.
+
+use lmhead::cudarc::driver::{CudaSlice, CudaStream};
+use lmhead::testing::{download_f32, poison, upload, upload_bf16};
+use lmhead::{Choice, Family, FwdInputs, FwdOptions, FwdOutputs, LmHead, Problem};
+use lmhead_reference::{forward_rows, Case, Structure, IGNORE_INDEX};
+use lmhead_tests::{case_seed, check, gpu_or_skip, run_seed};
+use std::sync::Arc;
+
+/// One forward case.
+#[derive(Clone, Debug)]
+struct FwdCase {
+    t: usize,
+    v: usize,
+    d: usize,
+    s: Structure,
+    entropy: bool,
+    i64_labels: bool,
+    choice: Choice,
+    naive: bool,
+}
+
+impl FwdCase {
+    fn new(t: usize, v: usize, d: usize) -> Self {
+        Self { t, v, d, s: Structure::default(), entropy: true, i64_labels: false, choice: Choice::Fallback, naive: false }
+    }
+}
+
+/// Rows checked against the reference: all of them when cheap, else a sample (first, last,
+/// and random rows).
+fn rows_to_check(t: usize, v: usize, d: usize, seed: u64) -> Vec<usize> {
+    let budget = 4.0e9;
+    if (t * v * d) as f64 <= budget {
+        return (0..t).collect();
+    }
+    let n = ((budget / (v * d) as f64) as usize).clamp(8, t);
+    let mut rng = lmhead_reference::rng::Rng::new(seed);
+    let mut rows: Vec<usize> = vec![0, t - 1];
+    rows.extend((0..n).map(|_| rng.below(t as u64) as usize));
+    rows.sort_unstable();
+    rows.dedup();
+    rows
+}
+
+fn lp_tol(lse: f64) -> f64 {
+    if lse.abs() < 100.0 {
+        1e-4
+    } else {
+        4e-6 * lse.abs()
+    }
+}
+
+/// Run one case; returns a summary line for the record.
+fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &FwdCase, seed: u64) -> String {
+    let case = Case::generate(seed, c.t, c.v, c.d, &c.s);
+    let desc = format!("t={} v={} d={} ent={} i64={} choice={:?} naive={} seed={seed} {:?}", c.t, c.v, c.d, c.entropy, c.i64_labels, c.choice, c.naive, c.s);
+    let h = upload_bf16(stream, &case.h).unwrap();
+    let w = upload_bf16(stream, &case.w).unwrap();
+    let mut logprob: CudaSlice<f32> = stream.alloc_zeros(c.t).unwrap();
+    let mut lse: CudaSlice<f32> = stream.alloc_zeros(c.t).unwrap();
+    let mut ent: CudaSlice<f32> = stream.alloc_zeros(c.t).unwrap();
+    for b in [&mut logprob, &mut lse, &mut ent] {
+        poison(stream, b).unwrap();
+    }
+    let opts = FwdOptions { temperature: c.s.temperature as f32, config: c.choice, naive: c.naive, ..Default::default() };
+    let problem = Problem::new(c.t, c.v, c.d);
+    let outs = FwdOutputs { logprob: &mut logprob, lse: &mut lse, entropy: if c.entropy { Some(&mut ent) } else { None } };
+    let report = if c.i64_labels {
+        let labels = upload(stream, &case.labels).unwrap();
+        head.forward(stream, &FwdInputs { h: &h, w: &w, labels: &labels, problem }, &opts, outs)
+    } else {
+        let l32: Vec<i32> = case.labels.iter().map(|&l| l as i32).collect();
+        let labels = upload(stream, &l32).unwrap();
+        head.forward(stream, &FwdInputs { h: &h, w: &w, labels: &labels, problem }, &opts, outs)
+    }
+    .unwrap_or_else(|e| panic!("forward failed [{desc}]: {e}"));
+    let (glp, glse, gent) = (download_f32(stream, &logprob).unwrap(), download_f32(stream, &lse).unwrap(), download_f32(stream, &ent).unwrap());
+
+    let rows = rows_to_check(c.t, c.v, c.d, seed);
+    let r = forward_rows(&case.inputs(), &rows);
+    let pick = |g: &[f64]| rows.iter().map(|&i| g[i]).collect::<Vec<f64>>();
+    let (rlp, rlse, rent): (Vec<f64>, Vec<f64>, Vec<f64>) =
+        (r.iter().map(|x| x.logprob).collect(), r.iter().map(|x| x.lse).collect(), r.iter().map(|x| x.entropy).collect());
+    let naive_slack = if c.naive { 10.0 } else { 1.0 };
+    let lse_of = |i: usize| rlse[i];
+    let clp = check("logprob", &desc, &pick(&glp), &rlp, &|i, _| naive_slack * lp_tol(lse_of(i)));
+    let clse = check("lse", &desc, &pick(&glse), &rlse, &|_, r| naive_slack * lp_tol(r));
+    let cent = if c.entropy {
+        Some(check("entropy", &desc, &pick(&gent), &rent, &|i, r| naive_slack * (1e-4 * r.abs().max(1.0)).max(lp_tol(lse_of(i)) * 0.5)))
+    } else {
+        // No entropy requested: the poisoned entropy buffer must be untouched.
+        assert!(gent.iter().all(|x| x.is_nan()), "entropy written although not requested [{desc}]");
+        None
+    };
+    for &i in &rows {
+        if case.labels[i] == IGNORE_INDEX {
+            assert_eq!(glp[i], 0.0, "ignored row {i} log-prob [{desc}]");
+            if c.entropy {
+                assert_eq!(gent[i], 0.0, "ignored row {i} entropy [{desc}]");
+            }
+        }
+    }
+    format!(
+        "fwd t={:<5} v={:<6} d={:<5} ent={} cfg={:?} splits={} rows={} lp_max_abs={:.2e} lse_max_abs={:.2e} ent_max_abs={}",
+        c.t,
+        c.v,
+        c.d,
+        c.entropy as u8,
+        report.config.map(|x| lmhead_core::config::kernel_name(if c.entropy { Family::FwdEnt } else { Family::Fwd }, x)).unwrap_or_else(|| "naive".into()),
+        report.n_splits,
+        rows.len(),
+        clp.max_abs,
+        clse.max_abs,
+        cent.map(|x| format!("{:.2e}", x.max_abs)).unwrap_or_else(|| "-".into())
+    )
+}
+
+fn run_all(test: &str, cases: &[FwdCase]) {
+    let Some((head, stream)) = gpu_or_skip(test) else { return };
+    let seed = run_seed(test);
+    for (i, c) in cases.iter().enumerate() {
+        let line = run(&head, &stream, c, case_seed(seed, i));
+        println!("[{test}] {line}");
+    }
+}
+
+/// The shape list (not the full cross product: each M, V and H value appears), with
+/// entropy on and off and both label widths.
+#[test]
+fn shapes() {
+    let mut cases = Vec::new();
+    for (i, &(t, v, d)) in [
+        (1, 1, 8),
+        (7, 3, 64),
+        (64, 1000, 1000),
+        (1000, 32000, 2048),
+        (4097, 50257, 4096),
+        (64, 151936, 4096),
+        (1, 151936, 8),
+        (7, 32000, 1000),
+        (1000, 3, 4096),
+        (4097, 1, 64),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let mut c = FwdCase::new(t, v, d);
+        c.entropy = i % 2 == 0;
+        c.i64_labels = i % 3 == 0;
+        cases.push(c.clone());
+        c.entropy = !c.entropy;
+        cases.push(c);
+    }
+    run_all("gpu_fwd::shapes", &cases);
+}
+
+/// Input structures: flat and peaked logits, planted labels, rows near −1e4 and +1e4, ignored
+/// labels, temperatures ≠ 1.
+#[test]
+fn structures() {
+    let base = Structure::default();
+    let variants = [
+        Structure { logit_std: 0.08, ..base.clone() },
+        Structure { logit_std: 4.0, ..base.clone() },
+        Structure { planted: 0.5, ..base.clone() },
+        Structure { all_negative: 0.5, ..base.clone() },
+        Structure { huge: 0.5, ..base.clone() },
+        Structure { ignored: 0.5, ..base.clone() },
+        Structure { temperature: 0.7, ..base.clone() },
+        Structure { temperature: 1.6, logit_std: 4.0, ..base.clone() },
+    ];
+    let mut cases = Vec::new();
+    for s in variants {
+        for entropy in [false, true] {
+            let mut c = FwdCase::new(300, 5003, 512);
+            c.s = s.clone();
+            c.entropy = entropy;
+            cases.push(c);
+        }
+    }
+    run_all("gpu_fwd::structures", &cases);
+}
+
+/// Every compiled candidate at its own tile boundaries: `t ∈ {bm − 1, bm, bm + 1}`,
+/// `v = 3·bn + 3`, and `d` not a multiple of `bk`.
+#[test]
+fn tile_boundaries_every_config() {
+    let mut cases = Vec::new();
+    for &cfg in Family::Fwd.candidates() {
+        let (bm, bn, bk) = (cfg.bm as usize, cfg.bn as usize, cfg.bk as usize);
+        for (j, t) in [bm - 1, bm, bm + 1].into_iter().enumerate() {
+            let mut c = FwdCase::new(t, 3 * bn + 3, 2 * bk + 8);
+            c.choice = Choice::Fixed(cfg);
+            c.entropy = j != 1;
+            cases.push(c);
+        }
+    }
+    run_all("gpu_fwd::tile_boundaries_every_config", &cases);
+}
+
+/// Many waves of blocks: `t = 2.5 · 132 · bm + 7` with the fallback config.
+#[test]
+fn waves() {
+    let bm = Family::Fwd.fallback().bm as usize;
+    let c = FwdCase::new(132 * bm * 5 / 2 + 7, 4099, 256);
+    run_all("gpu_fwd::waves", &[c]);
+}
+
+/// Level 00, the naive kernel, against the same reference.
+#[test]
+fn naive_level00() {
+    let mut cases = Vec::new();
+    for &(t, v, d) in &[(1, 1, 8), (7, 1000, 64), (33, 5000, 256)] {
+        let mut c = FwdCase::new(t, v, d);
+        c.naive = true;
+        cases.push(c);
+    }
+    run_all("gpu_fwd::naive_level00", &cases);
+}
+
+/// A label outside `[0, v)` that is not ignore_index: a typed error, and NaN in its row (never
+/// a plausible number).
+#[test]
+fn bad_label_is_an_error() {
+    let Some((head, stream)) = gpu_or_skip("gpu_fwd::bad_label_is_an_error") else { return };
+    let (t, v, d) = (5, 100, 64);
+    let case = Case::generate(1, t, v, d, &Structure::default());
+    let mut labels: Vec<i32> = case.labels.iter().map(|&l| l as i32).collect();
+    labels[2] = v as i32;
+    let h = upload_bf16(&stream, &case.h).unwrap();
+    let w = upload_bf16(&stream, &case.w).unwrap();
+    let lab = upload(&stream, &labels).unwrap();
+    let mut lp: CudaSlice<f32> = stream.alloc_zeros(t).unwrap();
+    let mut lse: CudaSlice<f32> = stream.alloc_zeros(t).unwrap();
+    let r = head.forward(
+        &stream,
+        &FwdInputs { h: &h, w: &w, labels: &lab, problem: Problem::new(t, v, d) },
+        &FwdOptions::default(),
+        FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: None },
+    );
+    assert!(matches!(r, Err(lmhead::Error::BadLabel { .. })), "{r:?}");
+    let got = download_f32(&stream, &lp).unwrap();
+    assert!(got[2].is_nan(), "bad-label row must be NaN, got {}", got[2]);
+    assert!(got[0].is_finite() && got[4].is_finite());
+}

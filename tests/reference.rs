@@ -1,0 +1,188 @@
+//! CPU checks of the f64 reference (these run in CI): against a naive dense computation, the
+//! sharded merge, extreme rows, ignore_index, temperature, finite differences of the backward,
+//! and the CPU backend's typed errors.
+
+use lmhead::{bf16, cpu, BwdOptions, Error, FwdOptions, Problem};
+use lmhead_core::ShapeError;
+use lmhead_reference::bf16 as b16;
+use lmhead_reference::{backward, forward, merge_shards, shard_partials, Case, Grads, Inputs, Structure, IGNORE_INDEX};
+use lmhead_tests::{case_seed, run_seed};
+
+/// The most direct f64 implementation: logits matrix, then max, sums and logs per row.
+fn dense(inp: &Inputs) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (t, v, d) = (inp.t, inp.v, inp.d);
+    let mut lse = vec![0.0; t];
+    let mut lp = vec![0.0; t];
+    let mut ent = vec![0.0; t];
+    for i in 0..t {
+        let z: Vec<f64> = (0..v)
+            .map(|j| (0..d).map(|k| b16::to_f64(inp.h[i * d + k]) * b16::to_f64(inp.w[j * d + k])).sum::<f64>() / inp.temperature)
+            .collect();
+        let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let l = m + z.iter().map(|&x| (x - m).exp()).sum::<f64>().ln();
+        lse[i] = l;
+        if inp.labels[i] == IGNORE_INDEX {
+            continue;
+        }
+        lp[i] = z[inp.labels[i] as usize] - l;
+        ent[i] = -z.iter().map(|&x| (x - l).exp() * (x - l)).sum::<f64>();
+    }
+    (lse, lp, ent)
+}
+
+fn close(a: &[f64], b: &[f64], tol: f64, what: &str, seed: u64) {
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!((x - y).abs() <= tol * y.abs().max(1.0), "{what}[{i}]: {x} vs {y} (seed {seed})");
+    }
+}
+
+#[test]
+fn reference_matches_dense() {
+    let seed = run_seed("reference_matches_dense");
+    let shapes = [(1, 1, 8), (3, 7, 8), (17, 33, 24), (40, 100, 64), (5, 300, 16)];
+    let structures = [
+        Structure::default(),
+        Structure { logit_std: 0.08, ..Default::default() },
+        Structure { logit_std: 6.0, planted: 0.5, ..Default::default() },
+        Structure { temperature: 0.6, ignored: 0.3, ..Default::default() },
+    ];
+    let mut i = 0;
+    for &(t, v, d) in &shapes {
+        for s in &structures {
+            let cs = case_seed(seed, i);
+            i += 1;
+            let c = Case::generate(cs, t, v, d, s);
+            let r = forward(&c.inputs());
+            let (lse, lp, ent) = dense(&c.inputs());
+            close(&r.lse, &lse, 1e-12, "lse", cs);
+            close(&r.logprob, &lp, 1e-10, "logprob", cs);
+            close(&r.entropy, &ent, 1e-10, "entropy", cs);
+        }
+    }
+}
+
+/// Sharding the vocab in 1, 2, 3 and 8 pieces and merging the partials reproduces the
+/// unsharded result — the math tensor parallelism uses.
+#[test]
+fn sharded_merge_matches_unsharded() {
+    let seed = run_seed("sharded_merge_matches_unsharded");
+    let c = Case::generate(seed, 23, 101, 32, &Structure { planted: 0.3, all_negative: 0.1, huge: 0.1, ignored: 0.1, ..Default::default() });
+    let whole = forward(&c.inputs());
+    for pieces in [1usize, 2, 3, 8] {
+        let bounds: Vec<usize> = (0..=pieces).map(|k| k * c.v / pieces).collect();
+        let mut shards: Vec<_> = bounds.windows(2).map(|b| shard_partials(&c.shard(b[0], b[1]))).collect();
+        shards.reverse(); // merge order must not matter
+        let m = merge_shards(&shards, &c.labels, c.v as i64, IGNORE_INDEX);
+        close(&m.lse, &whole.lse, 1e-12, "lse", seed);
+        close(&m.logprob, &whole.logprob, 1e-10, "logprob", seed);
+        close(&m.entropy, &whole.entropy, 1e-10, "entropy", seed);
+    }
+}
+
+#[test]
+fn extreme_rows_stay_finite() {
+    let seed = run_seed("extreme_rows_stay_finite");
+    let c = Case::generate(seed, 30, 50, 16, &Structure { all_negative: 0.5, huge: 0.5, ..Default::default() });
+    let r = forward(&c.inputs());
+    let (lse, lp, ent) = dense(&c.inputs());
+    for i in 0..c.t {
+        assert!(r.lse[i].is_finite() && r.logprob[i].is_finite() && r.entropy[i].is_finite(), "row {i} (seed {seed})");
+    }
+    assert!(r.lse.iter().any(|&x| x < -5000.0), "some rows should sit near -1e4 (seed {seed})");
+    assert!(r.lse.iter().any(|&x| x > 5000.0), "some rows should sit near +1e4 (seed {seed})");
+    close(&r.lse, &lse, 1e-12, "lse", seed);
+    close(&r.logprob, &lp, 1e-9, "logprob", seed);
+    close(&r.entropy, &ent, 1e-9, "entropy", seed);
+}
+
+#[test]
+fn ignore_index_and_bad_labels() {
+    let mut c = Case::generate(7, 4, 10, 8, &Structure::default());
+    c.labels = vec![IGNORE_INDEX, 3, 10, -5];
+    let r = forward(&c.inputs());
+    assert_eq!((r.logprob[0], r.entropy[0]), (0.0, 0.0));
+    assert!(r.lse[0].is_finite());
+    assert!(r.logprob[1].is_finite());
+    assert!(r.logprob[2].is_nan() && r.logprob[3].is_nan(), "bad labels must be NaN, not plausible numbers");
+    assert_eq!(lmhead_reference::bad_labels(&c.inputs()), vec![2, 3]);
+}
+
+#[test]
+fn temperature_scales_logits() {
+    let c = Case::generate(3, 5, 20, 8, &Structure { ignored: 0.0, ..Default::default() });
+    let mut hot = c.clone();
+    hot.temperature = 2.0;
+    let (a, b) = (forward(&c.inputs()), forward(&hot.inputs()));
+    assert!(a.entropy.iter().zip(&b.entropy).all(|(x, y)| y > x), "a higher temperature flattens the distribution");
+}
+
+/// The backward reference equals central finite differences of the dense forward objective
+/// `L = Σ_t g_ℓ[t] ℓ_t + g_H[t] H_t` (checks the derivation of both gradient terms).
+#[test]
+fn backward_matches_finite_differences() {
+    let seed = run_seed("backward_matches_finite_differences");
+    let (t, v, d) = (3, 7, 8);
+    let c = Case::generate(seed, t, v, d, &Structure { logit_std: 1.5, ignored: 0.0, temperature: 0.8, ..Default::default() });
+    let gl = [0.7, -1.3, 0.4];
+    let ge = [-0.5, 0.9, 1.1];
+    let obj = |h: &[f64], w: &[f64]| -> f64 {
+        let mut total = 0.0;
+        for i in 0..t {
+            let z: Vec<f64> = (0..v).map(|j| (0..d).map(|k| h[i * d + k] * w[j * d + k]).sum::<f64>() / c.temperature).collect();
+            let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let l = m + z.iter().map(|&x| (x - m).exp()).sum::<f64>().ln();
+            let ent = -z.iter().map(|&x| (x - l).exp() * (x - l)).sum::<f64>();
+            total += gl[i] * (z[c.labels[i] as usize] - l) + ge[i] * ent;
+        }
+        total
+    };
+    let h: Vec<f64> = c.h.iter().map(|&b| b16::to_f64(b)).collect();
+    let w: Vec<f64> = c.w.iter().map(|&b| b16::to_f64(b)).collect();
+    let fwd = forward(&c.inputs());
+    let g = Grads { logprob: Some(&gl), entropy: Some(&ge) };
+    let r = backward(&c.inputs(), &fwd.lse, &fwd.entropy, &g);
+    let eps = 1e-6;
+    for k in 0..t * d {
+        let (mut hp, mut hm) = (h.clone(), h.clone());
+        hp[k] += eps;
+        hm[k] -= eps;
+        let num = (obj(&hp, &w) - obj(&hm, &w)) / (2.0 * eps);
+        assert!((num - r.dh[k]).abs() < 1e-6 * num.abs().max(1.0), "dh[{k}]: fd {num} vs {} (seed {seed})", r.dh[k]);
+    }
+    for k in 0..v * d {
+        let (mut wp, mut wm) = (w.clone(), w.clone());
+        wp[k] += eps;
+        wm[k] -= eps;
+        let num = (obj(&h, &wp) - obj(&h, &wm)) / (2.0 * eps);
+        assert!((num - r.dw[k]).abs() < 1e-6 * num.abs().max(1.0), "dW[{k}]: fd {num} vs {} (seed {seed})", r.dw[k]);
+    }
+}
+
+/// The CPU backend rejects bad input with typed errors.
+#[test]
+fn cpu_backend_typed_errors() {
+    let c = Case::generate(1, 4, 10, 8, &Structure::default());
+    let h: Vec<bf16> = c.h.iter().map(|&b| bf16::from_bits(b)).collect();
+    let w: Vec<bf16> = c.w.iter().map(|&b| bf16::from_bits(b)).collect();
+    let p = Problem::new(4, 10, 8);
+    let o = FwdOptions::default();
+    assert!(cpu::forward(&h, &w, &c.labels, p, &o, true).is_ok());
+    let e = |r: lmhead::Result<cpu::CpuFwd>| r.unwrap_err();
+    assert!(matches!(e(cpu::forward(&h, &w, &c.labels, Problem::new(0, 10, 8), &o, true)), Error::Shape(ShapeError::NoTokens)));
+    assert!(matches!(e(cpu::forward(&h, &w, &c.labels, Problem::new(4, 0, 8), &o, true)), Error::Shape(ShapeError::NoVocab)));
+    assert!(matches!(e(cpu::forward(&h, &w, &c.labels, Problem::new(4, 10, 12), &o, true)), Error::Shape(ShapeError::Hidden { d: 12 })));
+    assert!(matches!(e(cpu::forward(&h[..8], &w, &c.labels, p, &o, true)), Error::Length { what: "h", .. }));
+    assert!(matches!(e(cpu::forward(&h, &w[..8], &c.labels, p, &o, true)), Error::Length { what: "W", .. }));
+    assert!(matches!(e(cpu::forward(&h, &w, &c.labels[..3], p, &o, true)), Error::Length { what: "labels", .. }));
+    for bad in [0.0f32, -1.0, f32::NAN, f32::INFINITY] {
+        let o = FwdOptions { temperature: bad, ..Default::default() };
+        assert!(matches!(e(cpu::forward(&h, &w, &c.labels, p, &o, true)), Error::Temperature(_)));
+    }
+    let mut labels = c.labels.clone();
+    labels[1] = 10;
+    assert!(matches!(e(cpu::forward(&h, &w, &labels, p, &o, true)), Error::BadLabel { row: Some(1), label: Some(10) }));
+    let lse = vec![0.0f32; 4];
+    let g = vec![1.0f32; 4];
+    let r = cpu::backward(&h, &w, &c.labels, p, &lse, None, None, Some(&g), &BwdOptions::default());
+    assert!(matches!(r, Err(Error::Invalid(_))), "entropy gradient without saved entropy");
+}

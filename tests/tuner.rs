@@ -1,0 +1,169 @@
+//! The tuner's logic against fake trials (no GPU): slow, failing and wrong candidates; the
+//! persistent cache's round trip, corruption, staleness, unwritable directories and concurrent
+//! writers.
+
+use lmhead::tune::cache::{Cache, Header};
+use lmhead::tune::{Choice, Outcome, Trial, TuneKey, Tuner};
+use lmhead::{Error, Family, Problem, TileConfig};
+
+fn key(t: usize) -> TuneKey {
+    TuneKey::new(Family::Fwd, Problem::new(t, 32000, 4096), false)
+}
+
+fn tmpdir(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("lmhead-tuner-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A fake launcher: candidate i takes `times[i]` ms and answers `answers[i]`; `None` fails.
+fn fake(times: Vec<f64>, answers: Vec<Option<f64>>) -> impl FnMut(TileConfig) -> lmhead::Result<Trial> {
+    move |c| {
+        let i = Family::Fwd.candidates().iter().position(|&x| x == c).unwrap();
+        match answers[i] {
+            None => Err(Error::Config(format!("candidate {i} failed to launch"))),
+            Some(a) => Ok(Trial { ms: times[i], check: vec![a, 1.0, 2.0] }),
+        }
+    }
+}
+
+#[test]
+fn picks_the_fastest_correct_candidate_and_records_why() {
+    let n = Family::Fwd.candidates().len();
+    assert!(n >= 4);
+    let mut times: Vec<f64> = (0..n).map(|i| 10.0 + i as f64).collect();
+    let mut answers: Vec<Option<f64>> = vec![Some(1.0); n];
+    times[1] = 1.0; // fastest but wrong
+    answers[1] = Some(5.0);
+    times[2] = 2.0; // second fastest but fails
+    answers[2] = None;
+    times[3] = 3.0; // the winner
+    let tuner = Tuner::new(true, None, Cache::open(None, "fake"));
+    let w = tuner.pick_with(&key(3000), Choice::Auto, &mut fake(times, answers)).unwrap();
+    assert_eq!(w, Family::Fwd.candidates()[3]);
+    let e = tuner.entry(&key(3000)).unwrap();
+    assert!(matches!(e.candidates[1].1, Outcome::Wrong { .. }), "{:?}", e.candidates[1]);
+    assert!(matches!(e.candidates[2].1, Outcome::Failed { .. }));
+    assert!(matches!(e.candidates[3].1, Outcome::Timed { ms } if ms == 3.0));
+    // Same bucket: no new trials.
+    let again = tuner.pick_with(&key(4000), Choice::Auto, &mut |_| panic!("same bucket must not retune")).unwrap();
+    assert_eq!(again, w);
+    // Next bucket: tunes again.
+    let mut calls = 0;
+    tuner
+        .pick_with(&key(4097), Choice::Auto, &mut |c| {
+            calls += 1;
+            Ok(Trial { ms: 1.0 + c.bm as f64, check: vec![1.0] })
+        })
+        .unwrap();
+    assert!(calls > 0);
+}
+
+#[test]
+fn disabled_fallback_and_fixed() {
+    let tuner = Tuner::new(false, None, Cache::open(None, "fake"));
+    let mut never = |_: TileConfig| -> lmhead::Result<Trial> { panic!("tuning is disabled") };
+    assert_eq!(tuner.pick_with(&key(10), Choice::Auto, &mut never).unwrap(), Family::Fwd.fallback());
+    assert_eq!(tuner.pick_with(&key(10), Choice::Fallback, &mut never).unwrap(), Family::Fwd.fallback());
+    let c = Family::Fwd.candidates()[2];
+    assert_eq!(tuner.pick_with(&key(10), Choice::Fixed(c), &mut never).unwrap(), c);
+    let bogus = TileConfig { bm: 48, bn: 48, bk: 48, stages: 1, warps_m: 1, warps_n: 1 };
+    assert!(matches!(tuner.pick_with(&key(10), Choice::Fixed(bogus), &mut never), Err(Error::Config(_))));
+}
+
+#[test]
+fn every_candidate_failing_is_an_error_not_a_panic() {
+    let tuner = Tuner::new(true, None, Cache::open(None, "fake"));
+    let r = tuner.pick_with(&key(10), Choice::Auto, &mut |_| Err(Error::Config("broken".into())));
+    assert!(matches!(r, Err(Error::Config(_))));
+}
+
+#[test]
+fn cache_round_trip_across_instances() {
+    let dir = tmpdir("roundtrip");
+    let path = dir.join("dev.json");
+    let t1 = Tuner::new(true, None, Cache::open(Some(path.clone()), "dev"));
+    let n = Family::Fwd.candidates().len();
+    let w = t1.pick_with(&key(100), Choice::Auto, &mut fake((0..n).map(|i| 5.0 - i as f64 * 0.1).collect(), vec![Some(1.0); n])).unwrap();
+    // A new process (a new cache instance) reads the winner without timing anything.
+    let t2 = Tuner::new(true, None, Cache::open(Some(path.clone()), "dev"));
+    assert_eq!(t2.pick_with(&key(100), Choice::Auto, &mut |_| panic!("cached")).unwrap(), w);
+    assert_eq!(t2.entry(&key(100)).unwrap().candidates.len(), n, "every timing is kept");
+}
+
+#[test]
+fn corrupt_truncated_and_stale_files_are_retuned() {
+    let dir = tmpdir("corrupt");
+    let path = dir.join("dev.json");
+    let n = Family::Fwd.candidates().len();
+    let t = Tuner::new(true, None, Cache::open(Some(path.clone()), "dev"));
+    t.pick_with(&key(100), Choice::Auto, &mut fake(vec![1.0; n], vec![Some(1.0); n])).unwrap();
+    let good = std::fs::read_to_string(&path).unwrap();
+    for bad in [good[..good.len() / 2].to_string(), "not json at all".to_string(), String::new()] {
+        std::fs::write(&path, &bad).unwrap();
+        let c = Cache::open(Some(path.clone()), "dev");
+        assert_eq!(c.warnings.len(), if bad.is_empty() { 1 } else { 1 }, "{:?}", c.warnings);
+        let t = Tuner::new(true, None, c);
+        let mut calls = 0;
+        t.pick_with(&key(100), Choice::Auto, &mut |_| {
+            calls += 1;
+            Ok(Trial { ms: 1.0, check: vec![1.0] })
+        })
+        .unwrap();
+        assert!(calls > 0, "a corrupt cache must be retuned");
+    }
+    // Another build's kernels (different PTX hash): stale, retuned.
+    std::fs::write(&path, &good).unwrap();
+    let other = Header { ptx_hash: "0000".into(), ..Header::current("dev") };
+    let c = Cache::open_with_header(Some(path.clone()), other);
+    assert_eq!(c.warnings.len(), 1);
+    assert!(c.get(&key(100)).is_none());
+}
+
+#[test]
+fn unwritable_directory_keeps_results_in_memory() {
+    let dir = tmpdir("ro");
+    let blocker = dir.join("file");
+    std::fs::write(&blocker, "x").unwrap();
+    // A path whose parent is a regular file cannot be created.
+    let c = Cache::open(Some(blocker.join("sub").join("dev.json")), "dev");
+    let t = Tuner::new(true, None, c);
+    let w = t.pick_with(&key(100), Choice::Auto, &mut |_| Ok(Trial { ms: 1.0, check: vec![1.0] })).unwrap();
+    assert_eq!(t.pick_with(&key(100), Choice::Auto, &mut |_| panic!("in memory")).unwrap(), w);
+}
+
+#[test]
+fn concurrent_writers_keep_both_results() {
+    let dir = tmpdir("concurrent");
+    let path = dir.join("dev.json");
+    let handles: Vec<_> = (0..4)
+        .map(|i| {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let t = Tuner::new(true, None, Cache::open(Some(path), "dev"));
+                for j in 0..5 {
+                    let k = key(1usize << (8 + (i * 5 + j) % 14));
+                    t.pick_with(&k, Choice::Auto, &mut |_| Ok(Trial { ms: 1.0, check: vec![1.0] })).unwrap();
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    let c = Cache::open(Some(path), "dev");
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    let buckets: std::collections::BTreeSet<_> = c.all().keys().map(|k| k.bucket).collect();
+    assert_eq!(buckets.len(), 14, "every writer's keys survive: {buckets:?}");
+}
+
+#[test]
+fn pruning_table_is_printable() {
+    let t = Tuner::new(true, None, Cache::open(None, "fake"));
+    let table = t.prune(Family::FwdEnt, Problem::new(4096, 128256, 4096));
+    assert_eq!(table.len(), Family::FwdEnt.candidates().len());
+    for (c, r) in table {
+        println!("{:<40} {}", lmhead_core::config::kernel_name(Family::FwdEnt, c), r.map(|_| "kept".to_string()).unwrap_or_else(|e| e));
+    }
+}
