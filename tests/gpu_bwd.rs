@@ -1,5 +1,9 @@
 //! GPU parity of the backward (`dh`, `dW`) against the f64 reference (skipped without a driver).
 //!
+//! Cases use inputs without ±1e4 rows except `structures`' extreme case: for such rows the f32
+//! tensor-core logits carry up to `(d/16)·ulp(1e4)` error (see gpu_fwd.rs), so `p = e^{z−lse}`
+//! is only good to a few percent there; that case is held to `EXTREME_REL_L2`.
+//!
 //! Upstream gradients are random N(0, 1) for log-prob only, entropy only, and both. Outputs are
 //! poisoned before the call. Thresholds (relative L2 over the checked rows): the d-logits are
 //! staged in bf16 (~2⁻⁹ relative rounding per element) and bf16 outputs round once more, so
@@ -33,16 +37,32 @@ struct BwdCase {
     dw_f32: bool,
     chunk: usize,
     config: BwdConfigs,
+    /// Threshold override (extreme inputs).
+    max_rel_l2: Option<f64>,
 }
 
 impl BwdCase {
     fn new(t: usize, v: usize, d: usize, up: Upstream) -> Self {
-        Self { t, v, d, s: Structure::default(), up, dh_f32: false, dw_f32: false, chunk: lmhead::bwd::DEFAULT_CHUNK, config: BwdConfigs::all(Choice::Fallback) }
+        let s = Structure { all_negative: 0.0, huge: 0.0, ..Structure::default() };
+        Self {
+            t,
+            v,
+            d,
+            s,
+            up,
+            dh_f32: false,
+            dw_f32: false,
+            chunk: lmhead::bwd::DEFAULT_CHUNK,
+            config: BwdConfigs::all(Choice::Fallback),
+            max_rel_l2: None,
+        }
     }
 }
 
 const BF16_REL_L2: f64 = 6e-3;
 const F32_REL_L2: f64 = 4e-3;
+/// Inputs with 30% of rows at logits ±1e4 (see the module docs).
+const EXTREME_REL_L2: f64 = 0.1;
 
 fn sample(n: usize, cost_per: usize, seed: u64) -> Vec<usize> {
     let budget = 3.0e9;
@@ -60,7 +80,10 @@ fn sample(n: usize, cost_per: usize, seed: u64) -> Vec<usize> {
 
 fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &BwdCase, seed: u64) -> String {
     let case = Case::generate(seed, c.t, c.v, c.d, &c.s);
-    let desc = format!("t={} v={} d={} {:?} dh_f32={} dw_f32={} chunk={} {:?} seed={seed} {:?}", c.t, c.v, c.d, c.up, c.dh_f32, c.dw_f32, c.chunk, c.config, c.s);
+    let desc = format!(
+        "t={} v={} d={} {:?} dh_f32={} dw_f32={} chunk={} {:?} seed={seed} {:?}",
+        c.t, c.v, c.d, c.up, c.dh_f32, c.dw_f32, c.chunk, c.config, c.s
+    );
     let p = Problem::new(c.t, c.v, c.d);
     let h = upload_bf16(stream, &case.h).unwrap();
     let w = upload_bf16(stream, &case.w).unwrap();
@@ -125,8 +148,9 @@ fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &BwdCase, seed: u64) -> Strin
     let rdh = backward_dh_rows(&inp, &rlse, &rent, &g, &rows);
     let rdw = backward_dw_rows(&inp, &rlse, &rent, &g, &vrows);
     let pick = |x: &[f64], rs: &[usize]| rs.iter().flat_map(|&i| x[i * c.d..(i + 1) * c.d].iter().copied()).collect::<Vec<f64>>();
-    let cdh = check_rel_l2("dh", &desc, &pick(&gdh, &rows), &rdh.concat(), if c.dh_f32 { F32_REL_L2 } else { BF16_REL_L2 });
-    let cdw = check_rel_l2("dW", &desc, &pick(&gdw, &vrows), &rdw.concat(), if c.dw_f32 { F32_REL_L2 } else { BF16_REL_L2 });
+    let lim = |f32: bool| c.max_rel_l2.unwrap_or(if f32 { F32_REL_L2 } else { BF16_REL_L2 });
+    let cdh = check_rel_l2("dh", &desc, &pick(&gdh, &rows), &rdh.concat(), lim(c.dh_f32));
+    let cdw = check_rel_l2("dW", &desc, &pick(&gdw, &vrows), &rdw.concat(), lim(c.dw_f32));
     for &i in &rows {
         if case.labels[i] == IGNORE_INDEX {
             assert!(gdh[i * c.d..(i + 1) * c.d].iter().all(|&x| x == 0.0), "ignored row {i} of dh is not exactly zero [{desc}]");
@@ -182,7 +206,7 @@ fn shapes_and_upstreams() {
 /// Temperature, ignored rows, planted labels, rows near ±1e4.
 #[test]
 fn structures() {
-    let base = Structure::default();
+    let base = BwdCase::new(300, 5003, 512, Upstream::Both).s;
     let mut cases = Vec::new();
     for s in [
         Structure { temperature: 0.7, ..base.clone() },
@@ -190,8 +214,10 @@ fn structures() {
         Structure { planted: 0.5, ..base.clone() },
         Structure { all_negative: 0.3, huge: 0.3, ..base.clone() },
         Structure { logit_std: 0.08, ..base.clone() },
+        Structure { logit_std: 6.0, ..base.clone() },
     ] {
         let mut c = BwdCase::new(300, 5003, 512, Upstream::Both);
+        c.max_rel_l2 = (s.huge > 0.0).then_some(EXTREME_REL_L2);
         c.s = s;
         c.chunk = 2048;
         cases.push(c);
@@ -239,7 +265,8 @@ fn deterministic() {
     for _ in 0..2 {
         let mut dh: CudaSlice<bf16> = stream.alloc_zeros(t * d).unwrap();
         let mut dw: CudaSlice<bf16> = stream.alloc_zeros(v * d).unwrap();
-        let x = BwdInputs { h: &h, w: &w, labels: &labels, lse: &lse, entropy: None, grad_logprob: Some(&gl), grad_entropy: None, problem: p };
+        let x =
+            BwdInputs { h: &h, w: &w, labels: &labels, lse: &lse, entropy: None, grad_logprob: Some(&gl), grad_entropy: None, problem: p };
         let opts = BwdOptions { chunk: 1000, config: BwdConfigs::all(Choice::Fallback), ..Default::default() };
         head.backward(&stream, &x, &opts, GradOut::Bf16(&mut dh), GradOut::Bf16(&mut dw)).unwrap();
         outs.push((stream.clone_dtoh(&dh).unwrap(), stream.clone_dtoh(&dw).unwrap()));

@@ -66,7 +66,8 @@ fn reference_matches_dense() {
 #[test]
 fn sharded_merge_matches_unsharded() {
     let seed = run_seed("sharded_merge_matches_unsharded");
-    let c = Case::generate(seed, 23, 101, 32, &Structure { planted: 0.3, all_negative: 0.1, huge: 0.1, ignored: 0.1, ..Default::default() });
+    let c =
+        Case::generate(seed, 23, 101, 32, &Structure { planted: 0.3, all_negative: 0.1, huge: 0.1, ignored: 0.1, ..Default::default() });
     let whole = forward(&c.inputs());
     for pieces in [1usize, 2, 3, 8] {
         let bounds: Vec<usize> = (0..=pieces).map(|k| k * c.v / pieces).collect();

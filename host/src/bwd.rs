@@ -206,12 +206,34 @@ impl LmHead {
                     GemmOut { accumulate: !first, write_acc: true, out_f32: false }
                 };
                 let out = (!dh.f32 && last).then_some(&dh.dev);
-                launch::bwd_gemm(&self.gpu, stream, Family::BwdDh, cfg_dh, (p.t, p.d, cw), (&staging, stride), (&w_chunk, p.d), Some(acc), out, mode)?;
+                launch::bwd_gemm(
+                    &self.gpu,
+                    stream,
+                    Family::BwdDh,
+                    cfg_dh,
+                    (p.t, p.d, cw),
+                    (&staging, stride),
+                    (&w_chunk, p.d),
+                    Some(acc),
+                    out,
+                    mode,
+                )?;
                 // dW[c0 .. c0 + cw] = staging[:, :cw]ᵀ · h
                 let elem = if dw.f32 { 4 } else { 2 };
                 let dw_chunk = dw.dev.sub(c0 * p.d, cw * p.d, elem)?;
                 let mode = GemmOut { accumulate: false, write_acc: false, out_f32: dw.f32 };
-                launch::bwd_gemm(&self.gpu, stream, Family::BwdDw, cfg_dw, (cw, p.d, p.t), (&staging, stride), (h, p.d), None, Some(&dw_chunk), mode)?;
+                launch::bwd_gemm(
+                    &self.gpu,
+                    stream,
+                    Family::BwdDw,
+                    cfg_dw,
+                    (cw, p.d, p.t),
+                    (&staging, stride),
+                    (h, p.d),
+                    None,
+                    Some(&dw_chunk),
+                    mode,
+                )?;
             }
         }
         let workspace_bytes = guard.staging.bytes() + guard.dh_acc.bytes();
@@ -219,7 +241,7 @@ impl LmHead {
     }
 
     /// Configs of the three backward kernels. Tuning trials write only scratch buffers.
-    #[allow(clippy::type_complexity)]
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     fn bwd_configs(
         &self,
         stream: &Arc<CudaStream>,

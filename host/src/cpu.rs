@@ -40,7 +40,18 @@ fn validate(h: &[half::bf16], w: &[half::bf16], labels: &[i64], p: Problem, temp
 }
 
 fn inputs<'a>(h: &'a [u16], w: &'a [u16], labels: &'a [i64], p: Problem, temperature: f32, ignore_index: i64) -> reference::Inputs<'a> {
-    reference::Inputs { h, w, labels, t: p.t, v: p.v, d: p.d, v_begin: 0, v_total: p.v as i64, temperature: temperature as f64, ignore_index }
+    reference::Inputs {
+        h,
+        w,
+        labels,
+        t: p.t,
+        v: p.v,
+        d: p.d,
+        v_begin: 0,
+        v_total: p.v as i64,
+        temperature: temperature as f64,
+        ignore_index,
+    }
 }
 
 /// Forward on the CPU (`entropy`: also return the entropy).

@@ -73,9 +73,7 @@ impl Gpu {
         let max_smem_optin = attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as u32;
         let mut driver_version = 0i32;
         // SAFETY: cuDriverGetVersion writes one int through a valid pointer.
-        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) }
-            .result()
-            .during(|| "reading the driver version".into())?;
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) }.result().during(|| "reading the driver version".into())?;
         Ok(Arc::new(Self {
             ctx,
             info: DeviceInfo { name, cc, sm_count, max_smem_optin, driver_version },
@@ -98,11 +96,13 @@ impl Gpu {
         if let Some(f) = fns.get(name) {
             return Ok(f.clone());
         }
-        let src = crate::ptx::entry_modules()
-            .get(name)
-            .ok_or_else(|| Error::Config(format!("kernel `{name}` is not in the embedded PTX")))?;
+        let src =
+            crate::ptx::entry_modules().get(name).ok_or_else(|| Error::Config(format!("kernel `{name}` is not in the embedded PTX")))?;
         if smem > self.info.max_smem_optin {
-            return Err(Error::Config(format!("`{name}` needs {smem} bytes of shared memory, the device allows {}", self.info.max_smem_optin)));
+            return Err(Error::Config(format!(
+                "`{name}` needs {smem} bytes of shared memory, the device allows {}",
+                self.info.max_smem_optin
+            )));
         }
         let module = self.ctx.load_module(Ptx::from_src(src.clone())).during(|| format!("loading (JIT) kernel `{name}`"))?;
         let f = module.load_function(name).during(|| format!("finding kernel `{name}`"))?;

@@ -136,7 +136,18 @@ impl LmHead {
         {
             let sd = dev_out(status, stream, "status")?;
             let outs = MergeOuts { logprob: &logprob, lse: &lse, entropy: entropy.as_ref(), status: &sd };
-            launch::merge(&self.gpu, stream, MergeStep::Full, p.t, n_splits, (p.v as i64, 0, opts.ignore_index), &labels, Some(&pd), None, Some(outs))?;
+            launch::merge(
+                &self.gpu,
+                stream,
+                MergeStep::Full,
+                p.t,
+                n_splits,
+                (p.v as i64, 0, opts.ignore_index),
+                &labels,
+                Some(&pd),
+                None,
+                Some(outs),
+            )?;
         }
         if opts.check_labels {
             let flags = stream.clone_dtoh(&*status).during(|| "reading the label status".into())?;
@@ -174,8 +185,11 @@ impl LmHead {
         self.tuner.pick(&key, choice, &self.gpu, &mut |cfg| {
             let tps = self.plan_split(family, cfg, p)?;
             let n = split_count(cfg, p, tps);
-            let mut partials = stream.alloc_zeros::<crate::workspace::PartialRepr>(n * p.t).map_err(|_| Error::OutOfMemory { what: "tuning partials", bytes: n * p.t * 16 })?;
-            let mut outs = stream.alloc_zeros::<f32>(3 * p.t).map_err(|_| Error::OutOfMemory { what: "tuning outputs", bytes: 12 * p.t })?;
+            let mut partials = stream
+                .alloc_zeros::<crate::workspace::PartialRepr>(n * p.t)
+                .map_err(|_| Error::OutOfMemory { what: "tuning partials", bytes: n * p.t * 16 })?;
+            let mut outs =
+                stream.alloc_zeros::<f32>(3 * p.t).map_err(|_| Error::OutOfMemory { what: "tuning outputs", bytes: 12 * p.t })?;
             let mut status = stream.alloc_zeros::<u32>(1).map_err(|_| Error::OutOfMemory { what: "tuning status", bytes: 4 })?;
             let run = |partials: &mut cudarc::driver::CudaSlice<crate::workspace::PartialRepr>,
                        outs: &mut cudarc::driver::CudaSlice<f32>,
@@ -187,7 +201,18 @@ impl LmHead {
                 let (lp, lse, ent) = (od.sub(0, p.t, 4)?, od.sub(p.t, p.t, 4)?, od.sub(2 * p.t, p.t, 4)?);
                 let sd = dev_out(status, stream, "tuning status")?;
                 let mo = MergeOuts { logprob: &lp, lse: &lse, entropy: (family == Family::FwdEnt).then_some(&ent), status: &sd };
-                launch::merge(&self.gpu, stream, MergeStep::Full, p.t, n as u32, (p.v as i64, sc.v_begin, sc.ignore_index), labels, Some(&pd), None, Some(mo))
+                launch::merge(
+                    &self.gpu,
+                    stream,
+                    MergeStep::Full,
+                    p.t,
+                    n as u32,
+                    (p.v as i64, sc.v_begin, sc.ignore_index),
+                    labels,
+                    Some(&pd),
+                    None,
+                    Some(mo),
+                )
             };
             let ms = crate::tune::bench::time_ms(stream, || run(&mut partials, &mut outs, &mut status))?;
             let check = stream.clone_dtoh(&outs).during(|| "reading tuning outputs".into())?;

@@ -63,7 +63,7 @@ impl Dev<'_> {
         if self.len < n {
             return Err(Error::Length { what: self.what, expected: n, got: self.len });
         }
-        if self.ptr % align as u64 != 0 {
+        if !self.ptr.is_multiple_of(align as u64) {
             return Err(Error::Misaligned { what: self.what, align });
         }
         Ok(self.ptr)

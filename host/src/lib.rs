@@ -41,17 +41,26 @@ pub use tune::{Choice, Tuner};
 /// Label element types the kernels read: `i32` and `i64`.
 pub trait LabelType: cudarc::driver::DeviceRepr + Copy + Into<i64> {
     #[doc(hidden)]
-    fn labels<'a>(buf: &'a (impl cudarc::driver::DevicePtr<Self> + ?Sized), s: &'a cudarc::driver::CudaStream) -> Result<launch::Labels<'a>>;
+    fn labels<'a>(
+        buf: &'a (impl cudarc::driver::DevicePtr<Self> + ?Sized),
+        s: &'a cudarc::driver::CudaStream,
+    ) -> Result<launch::Labels<'a>>;
 }
 
 impl LabelType for i32 {
-    fn labels<'a>(buf: &'a (impl cudarc::driver::DevicePtr<Self> + ?Sized), s: &'a cudarc::driver::CudaStream) -> Result<launch::Labels<'a>> {
+    fn labels<'a>(
+        buf: &'a (impl cudarc::driver::DevicePtr<Self> + ?Sized),
+        s: &'a cudarc::driver::CudaStream,
+    ) -> Result<launch::Labels<'a>> {
         launch::labels_i32(buf, s)
     }
 }
 
 impl LabelType for i64 {
-    fn labels<'a>(buf: &'a (impl cudarc::driver::DevicePtr<Self> + ?Sized), s: &'a cudarc::driver::CudaStream) -> Result<launch::Labels<'a>> {
+    fn labels<'a>(
+        buf: &'a (impl cudarc::driver::DevicePtr<Self> + ?Sized),
+        s: &'a cudarc::driver::CudaStream,
+    ) -> Result<launch::Labels<'a>> {
         launch::labels_i64(buf, s)
     }
 }

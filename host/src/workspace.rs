@@ -30,7 +30,8 @@ impl<T: DeviceRepr + ValidAsZeroBits> Grow<T> {
         let len = len.max(1);
         if self.buf.as_ref().is_none_or(|b| b.len() < len) {
             self.buf = None; // free the old one first
-            let b = stream.alloc_zeros::<T>(len).map_err(|_| Error::OutOfMemory { what: self.what, bytes: len * std::mem::size_of::<T>() })?;
+            let b =
+                stream.alloc_zeros::<T>(len).map_err(|_| Error::OutOfMemory { what: self.what, bytes: len * std::mem::size_of::<T>() })?;
             self.buf = Some(b);
         }
         Ok(self.buf.as_mut().unwrap())

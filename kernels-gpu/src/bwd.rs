@@ -99,7 +99,8 @@ pub unsafe fn dlogits<
     let kt = p.d.div_ceil(BK as u32);
     let mut acc: Acc<MI, NI> = [[[0.0; 4]; NI]; MI];
 
-    let load = #[inline(always)] |s: u32, _: u32, k: u32| {
+    let load = #[inline(always)]
+    |s: u32, _: u32, k: u32| {
         let k0 = k * BK as u32;
         // SAFETY: stage `s` holds both tiles; chunks are bounds-checked; every thread of the
         // block runs this with its own tid.
@@ -108,11 +109,13 @@ pub unsafe fn dlogits<
             mainloop::load_tile::<BN, BK, true>(s + a_bytes, b, p.v_chunk_begin + n0, k0, w.tid, threads);
         }
     };
-    let compute = #[inline(always)] |s: u32, acc: &mut Acc<MI, NI>| {
+    let compute = #[inline(always)]
+    |s: u32, acc: &mut Acc<MI, NI>| {
         // SAFETY: the warp is converged; `s` holds a landed stage.
         unsafe { mainloop::mma_stage::<BM, BN, BK, MI, NI, true, true>(s, s + a_bytes, acc, w.wm0, w.wn0, w.lane) };
     };
-    let finish = #[inline(always)] |_: u32, acc: &mut Acc<MI, NI>| {
+    let finish = #[inline(always)]
+    |_: u32, acc: &mut Acc<MI, NI>| {
         // ---- Epilogue: d-logits, bf16, into the staging buffer -----------------------
         unroll!(MI, |mi| {
             unroll!(2, |h| {
@@ -185,7 +188,8 @@ pub unsafe fn gemm<
     let kt = p.k.div_ceil(BK as u32);
     let mut acc: Acc<MI, NI> = [[[0.0; 4]; NI]; MI];
 
-    let load = #[inline(always)] |s: u32, _: u32, k: u32| {
+    let load = #[inline(always)]
+    |s: u32, _: u32, k: u32| {
         let k0 = k * BK as u32;
         // SAFETY: stage `s` holds both tiles; chunks are bounds-checked; every thread of the
         // block runs this with its own tid.
@@ -194,11 +198,13 @@ pub unsafe fn gemm<
             mainloop::load_tile::<BN, BK, false>(s + a_bytes, b, n0, k0, w.tid, threads);
         }
     };
-    let compute = #[inline(always)] |s: u32, acc: &mut Acc<MI, NI>| {
+    let compute = #[inline(always)]
+    |s: u32, acc: &mut Acc<MI, NI>| {
         // SAFETY: the warp is converged; `s` holds a landed stage.
         unsafe { mainloop::mma_stage::<BM, BN, BK, MI, NI, A_KMAJ, false>(s, s + a_bytes, acc, w.wm0, w.wn0, w.lane) };
     };
-    let finish = #[inline(always)] |_: u32, acc: &mut Acc<MI, NI>| {
+    let finish = #[inline(always)]
+    |_: u32, acc: &mut Acc<MI, NI>| {
         // ---- Epilogue ----------------------------------------------------------------
         unroll!(MI, |mi| {
             unroll!(2, |h| {

@@ -99,7 +99,8 @@ pub unsafe fn fwd<
     let mut acc: Acc<MI, NI> = [[[0.0; 4]; NI]; MI];
 
     // ---- Main loop --------------------------------------------------------------------------
-    let load = #[inline(always)] |s: u32, tile: u32, k: u32| {
+    let load = #[inline(always)]
+    |s: u32, tile: u32, k: u32| {
         let n0 = (tile_begin + tile) * BN as u32;
         let k0 = k * BK as u32;
         // SAFETY: stage `s` holds BM·BK + BN·BK bf16; operands are bounds-checked per chunk;
@@ -109,11 +110,13 @@ pub unsafe fn fwd<
             mainloop::load_tile::<BN, BK, true>(s + a_bytes, b, n0, k0, w.tid, threads);
         }
     };
-    let compute = #[inline(always)] |s: u32, acc: &mut Acc<MI, NI>| {
+    let compute = #[inline(always)]
+    |s: u32, acc: &mut Acc<MI, NI>| {
         // SAFETY: the warp is converged; `s` holds a landed stage.
         unsafe { mainloop::mma_stage::<BM, BN, BK, MI, NI, true, true>(s, s + a_bytes, acc, w.wm0, w.wn0, w.lane) };
     };
-    let finish = #[inline(always)] |tile: u32, acc: &mut Acc<MI, NI>| {
+    let finish = #[inline(always)]
+    |tile: u32, acc: &mut Acc<MI, NI>| {
         let n0 = (tile_begin + tile) * BN as u32;
         fold_tile::<BN, MI, NI, ENT>(p, &w, n0, acc, &mut st, &mut z_label, &label);
     };

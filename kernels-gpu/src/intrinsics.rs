@@ -278,9 +278,7 @@ pub unsafe fn ld_global_v4(p: *const f32) -> [f32; 4] {
 #[inline(always)]
 pub unsafe fn st_global_v2(p: *mut f32, a: f32, b: f32) {
     // SAFETY: the caller guarantees the address.
-    unsafe {
-        asm!("st.global.v2.f32 [{p}], {{{a}, {b}}};", p = in(reg64) p, a = in(reg32) a, b = in(reg32) b, options(nostack))
-    };
+    unsafe { asm!("st.global.v2.f32 [{p}], {{{a}, {b}}};", p = in(reg64) p, a = in(reg32) a, b = in(reg32) b, options(nostack)) };
 }
 
 /// `ld.global.v2.f32`.
@@ -315,9 +313,7 @@ pub fn pack_bf16x2(lo: f32, hi: f32) -> u32 {
 #[inline(always)]
 pub unsafe fn atomic_or(p: *mut u32, v: u32) {
     // SAFETY: the caller guarantees the address.
-    unsafe {
-        asm!("red.global.or.b32 [{p}], {v};", p = in(reg64) p, v = in(reg32) v, options(nostack))
-    };
+    unsafe { asm!("red.global.or.b32 [{p}], {v};", p = in(reg64) p, v = in(reg32) v, options(nostack)) };
 }
 
 /// `trap`: aborts the kernel (used by the panic handler; a panic in a kernel is a bug).

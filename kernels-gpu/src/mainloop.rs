@@ -79,8 +79,7 @@ pub unsafe fn load_tile<const R: usize, const BK: usize, const KMAJ: bool>(
             // For an MN-major operand the global row is the K index.
             (k0 + row, r0 + col * 8, swz_mn::<R>(row, col))
         };
-        let (row_ok, col_ok) =
-            if KMAJ { (grow < op.mn_bound, gcol < op.k_bound) } else { (grow < op.k_bound, gcol < op.mn_bound) };
+        let (row_ok, col_ok) = if KMAJ { (grow < op.mn_bound, gcol < op.k_bound) } else { (grow < op.k_bound, gcol < op.mn_bound) };
         let valid = row_ok && col_ok;
         let src = if valid { op.ptr.wrapping_add((grow as u64 * op.stride + gcol as u64) as usize) } else { op.ptr };
         // SAFETY: `dst` is inside this stage's tile (`c < R·BK/8` chunks); `src` is in bounds
@@ -186,13 +185,7 @@ impl WarpPos {
         let tid = intrinsics::thread_idx();
         let warp = tid >> 5;
         let (warp_m, warp_n) = (warp / WN as u32, warp % WN as u32);
-        Self {
-            tid,
-            lane: tid & 31,
-            wm0: warp_m * (BM / WM) as u32,
-            wn0: warp_n * (BN / WN) as u32,
-            warp_n,
-        }
+        Self { tid, lane: tid & 31, wm0: warp_m * (BM / WM) as u32, wn0: warp_n * (BN / WN) as u32, warp_n }
     }
 
     /// Row (inside the block tile) of accumulator element `(mi, half)`: `half` 0 holds

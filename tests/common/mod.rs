@@ -74,7 +74,8 @@ pub fn check(what: &str, case: &str, x: &[f64], r: &[f64], tol: Tol) -> Compare 
         }
     }
     if !bad.is_empty() || c.nonfinite > 0 {
-        let lines: Vec<String> = bad.iter().take(8).map(|&i| format!("  [{i}] got {:.9e} want {:.9e} (tol {:.3e})", x[i], r[i], tol(i, r[i]))).collect();
+        let lines: Vec<String> =
+            bad.iter().take(8).map(|&i| format!("  [{i}] got {:.9e} want {:.9e} (tol {:.3e})", x[i], r[i], tol(i, r[i]))).collect();
         panic!("{what} [{case}]: {} of {} elements out of tolerance; {c:?}\n{}", bad.len(), x.len(), lines.join("\n"));
     }
     c
@@ -87,7 +88,10 @@ pub fn check_rel_l2(what: &str, case: &str, x: &[f64], r: &[f64], max_rel_l2: f6
     assert!(c.ref_norm > 0.0, "{what} [{case}]: reference is all zeros, the check would prove nothing");
     assert_eq!(c.nonfinite, 0, "{what} [{case}]: {} non-finite elements; {c:?}", c.nonfinite);
     if c.rel_l2 > max_rel_l2 {
-        panic!("{what} [{case}]: rel_l2 {:.3e} > {max_rel_l2:.1e}; worst [{}] got {:.6e} want {:.6e}; {c:?}", c.rel_l2, c.worst, x[c.worst], r[c.worst]);
+        panic!(
+            "{what} [{case}]: rel_l2 {:.3e} > {max_rel_l2:.1e}; worst [{}] got {:.6e} want {:.6e}; {c:?}",
+            c.rel_l2, c.worst, x[c.worst], r[c.worst]
+        );
     }
     c
 }

@@ -110,10 +110,7 @@ pub fn ensure_toolchain() -> Result<()> {
         ));
     }
     let installed = String::from_utf8_lossy(&out.stdout);
-    let missing: Vec<&str> = ["rust-src", "llvm-tools"]
-        .into_iter()
-        .filter(|c| !installed.lines().any(|l| l.starts_with(c)))
-        .collect();
+    let missing: Vec<&str> = ["rust-src", "llvm-tools"].into_iter().filter(|c| !installed.lines().any(|l| l.starts_with(c))).collect();
     if !missing.is_empty() {
         eprintln!("lmhead-build: installing {missing:?} for toolchain {tc}");
         let mut cmd = Command::new("rustup");
@@ -243,9 +240,7 @@ pub fn ptxas(paths: &Paths, install: bool) -> Result<Option<PathBuf>> {
     let mut cmd = Command::new(python);
     cmd.args(["-m", "pip", "download", "--quiet", "--no-deps", PTXAS_WHEEL, "-d"]).arg(&dl);
     run(&mut cmd, "pip download")?;
-    let extract = format!(
-        "import glob,zipfile,sys\nw=sorted(glob.glob(sys.argv[1]+'/nvidia_cuda_nvcc-*.whl'))[-1]\nz=zipfile.ZipFile(w)\nopen(sys.argv[2],'wb').write(z.read('nvidia/cu13/bin/ptxas'))\n"
-    );
+    let extract = "import glob,zipfile,sys\nw=sorted(glob.glob(sys.argv[1]+'/nvidia_cuda_nvcc-*.whl'))[-1]\nz=zipfile.ZipFile(w)\nopen(sys.argv[2],'wb').write(z.read('nvidia/cu13/bin/ptxas'))\n".to_string();
     let tmp = paths.tools_dir().join("ptxas.part");
     let mut cmd = Command::new(python);
     cmd.args(["-c", &extract]).arg(&dl).arg(&tmp);

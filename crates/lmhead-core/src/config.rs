@@ -23,8 +23,7 @@ pub enum Family {
 }
 
 impl Family {
-    pub const ALL: [Family; 6] =
-        [Family::Fwd, Family::FwdEnt, Family::BwdDlogits, Family::BwdDlogitsEnt, Family::BwdDh, Family::BwdDw];
+    pub const ALL: [Family; 6] = [Family::Fwd, Family::FwdEnt, Family::BwdDlogits, Family::BwdDlogitsEnt, Family::BwdDh, Family::BwdDw];
 
     /// The stem of the entry-point names of this family.
     pub const fn stem(self) -> &'static str {
@@ -153,19 +152,19 @@ impl TileConfig {
         let (wm, wn) = (self.warp_m(), self.warp_n());
         self.warps_m > 0
             && self.warps_n > 0
-            && self.bm as usize % self.warps_m as usize == 0
-            && self.bn as usize % self.warps_n as usize == 0
+            && (self.bm as usize).is_multiple_of(self.warps_m as usize)
+            && (self.bn as usize).is_multiple_of(self.warps_n as usize)
             // Warp tiles are whole m16 and (pairs of) n8 MMA tiles.
             && wm % 16 == 0
             && wn % 16 == 0
             // ldmatrix reads 16-byte rows; the swizzle needs 32- or 64-element deep stages.
             && (self.bk == 32 || self.bk == 64)
             // Loads of the ring: every thread moves whole 16-byte chunks in each stage.
-            && (self.bm as usize * self.bk as usize / 8) % (self.threads() as usize) == 0
-            && (self.bn as usize * self.bk as usize / 8) % (self.threads() as usize) == 0
+            && (self.bm as usize * self.bk as usize / 8).is_multiple_of(self.threads() as usize)
+            && (self.bn as usize * self.bk as usize / 8).is_multiple_of(self.threads() as usize)
             // M-major operands: bm (bn) columns of 16-byte chunks spread evenly too.
-            && self.bm % 64 == 0
-            && self.bn % 64 == 0
+            && self.bm.is_multiple_of(64)
+            && self.bn.is_multiple_of(64)
             && self.stages >= 2
             && self.smem_bytes() <= MAX_SMEM_PER_BLOCK
     }
@@ -174,10 +173,7 @@ impl TileConfig {
     #[cfg(feature = "std")]
     pub fn suffix(self, family: Family) -> std::string::String {
         let (m, n, k) = if family.lm_dims() { ("t", "v", "d") } else { ("m", "n", "k") };
-        std::format!(
-            "{m}{}_{n}{}_{k}{}_s{}_w{}x{}",
-            self.bm, self.bn, self.bk, self.stages, self.warps_m, self.warps_n
-        )
+        std::format!("{m}{}_{n}{}_{k}{}_s{}_w{}x{}", self.bm, self.bn, self.bk, self.stages, self.warps_m, self.warps_n)
     }
 }
 

@@ -189,7 +189,17 @@ mod tests {
         let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         let s: f64 = z.iter().map(|&x| (x - m).exp()).sum();
         let lse = m + s.ln();
-        let ent = -z.iter().map(|&x| { let p = (x - lse).exp(); if p > 0.0 { p * (x - lse) } else { 0.0 } }).sum::<f64>();
+        let ent = -z
+            .iter()
+            .map(|&x| {
+                let p = (x - lse).exp();
+                if p > 0.0 {
+                    p * (x - lse)
+                } else {
+                    0.0
+                }
+            })
+            .sum::<f64>();
         (lse, ent)
     }
 

@@ -51,7 +51,7 @@ impl Problem {
         if self.v == 0 {
             return Err(ShapeError::NoVocab);
         }
-        if self.d == 0 || self.d % 8 != 0 {
+        if self.d == 0 || !self.d.is_multiple_of(8) {
             return Err(ShapeError::Hidden { d: self.d });
         }
         for (what, value) in [("t", self.t), ("v", self.v), ("d", self.d)] {

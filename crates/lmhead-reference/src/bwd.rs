@@ -92,8 +92,5 @@ pub fn backward_dw_rows(inp: &Inputs, lse: &[f64], entropy: &[f64], g: &Grads, v
 pub fn backward(inp: &Inputs, lse: &[f64], entropy: &[f64], g: &Grads) -> BwdRef {
     let rows: Vec<usize> = (0..inp.t).collect();
     let vrows: Vec<usize> = (0..inp.v).collect();
-    BwdRef {
-        dh: backward_dh_rows(inp, lse, entropy, g, &rows).concat(),
-        dw: backward_dw_rows(inp, lse, entropy, g, &vrows).concat(),
-    }
+    BwdRef { dh: backward_dh_rows(inp, lse, entropy, g, &rows).concat(), dw: backward_dw_rows(inp, lse, entropy, g, &vrows).concat() }
 }

@@ -26,7 +26,9 @@ pub struct FwdRef {
 /// Tokens handled together by one task: each `W` row is read once per block.
 const ROW_BLOCK: usize = 4;
 
-/// Logits `z[r][j] = h[rows[r]] · W[j] / T` for a block of rows.
+/// Logits `z[r][j] = h[rows[r]] · W[j] / T` for a block of rows (`j` walks W's rows and z's
+/// columns together, so the range loop is the clear form).
+#[allow(clippy::needless_range_loop)]
 fn logits_block(inp: &Inputs, rows: &[usize]) -> Vec<Vec<f64>> {
     let d = inp.d;
     let inv_t = 1.0 / inp.temperature;
@@ -51,7 +53,16 @@ pub fn row_from_logits(z: &[f64], label: i64, inp: &Inputs) -> RowOut {
     let entropy: f64 = if nan {
         f64::NAN
     } else {
-        z.iter().map(|&x| { let p = (x - lse).exp(); if p > 0.0 { p * (lse - x) } else { 0.0 } }).sum()
+        z.iter()
+            .map(|&x| {
+                let p = (x - lse).exp();
+                if p > 0.0 {
+                    p * (lse - x)
+                } else {
+                    0.0
+                }
+            })
+            .sum()
     };
     if label == inp.ignore_index {
         return RowOut { lse, logprob: 0.0, entropy: 0.0 };
@@ -87,10 +98,12 @@ pub fn forward(inp: &Inputs) -> FwdRef {
 
 /// Rows whose label is neither `ignore_index` nor in `[0, v_total)`.
 pub fn bad_labels(inp: &Inputs) -> Vec<usize> {
-    (0..inp.t).filter(|&i| {
-        let l = inp.labels[i];
-        l != inp.ignore_index && (l < 0 || l >= inp.v_total)
-    }).collect()
+    (0..inp.t)
+        .filter(|&i| {
+            let l = inp.labels[i];
+            l != inp.ignore_index && (l < 0 || l >= inp.v_total)
+        })
+        .collect()
 }
 
 /// One row's partial over a vocab shard: the base-2 `(m, s, t)` state and the label's logit
@@ -112,11 +125,8 @@ pub fn shard_partials(inp: &Inputs) -> Vec<ShardPartial> {
                 .map(|(&row, zr)| {
                     let state = zr.iter().fold(Lse2::EMPTY, |st, &x| st.push(x * LOG2_E, f64::exp2));
                     let local = inp.labels[row] - inp.v_begin;
-                    let z_label = if inp.labels[row] != inp.ignore_index && local >= 0 && local < inp.v as i64 {
-                        zr[local as usize]
-                    } else {
-                        0.0
-                    };
+                    let z_label =
+                        if inp.labels[row] != inp.ignore_index && local >= 0 && local < inp.v as i64 { zr[local as usize] } else { 0.0 };
                     ShardPartial { state, z_label }
                 })
                 .collect::<Vec<_>>()

@@ -106,17 +106,7 @@ impl Case {
                 *l = IGNORE_INDEX;
             }
         }
-        Self {
-            seed,
-            h: bf16::quantize(&h),
-            w: bf16::quantize(&w),
-            labels,
-            t,
-            v,
-            d,
-            temperature: s.temperature,
-            ignore_index: IGNORE_INDEX,
-        }
+        Self { seed, h: bf16::quantize(&h), w: bf16::quantize(&w), labels, t, v, d, temperature: s.temperature, ignore_index: IGNORE_INDEX }
     }
 
     /// The whole case as one unsharded problem.

@@ -9,14 +9,14 @@
 //! [`backward_dw_rows`]), which cost `rows · v · d` instead of `t · v · d`.
 
 pub mod bf16;
-pub mod fwd;
 pub mod bwd;
+pub mod fwd;
 pub mod inputs;
 pub mod metrics;
 pub mod rng;
 
-pub use fwd::{bad_labels, forward, forward_rows, merge_shards, shard_partials, FwdRef, RowOut, ShardPartial};
 pub use bwd::{backward, backward_dh_rows, backward_dw_rows, BwdRef, Grads};
+pub use fwd::{bad_labels, forward, forward_rows, merge_shards, shard_partials, FwdRef, RowOut, ShardPartial};
 pub use inputs::{Case, Inputs, Structure};
 
 /// The default `ignore_index` (PyTorch's): rows with this label report 0 and get no gradient.

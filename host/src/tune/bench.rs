@@ -21,8 +21,8 @@ pub fn time_ms_reps(stream: &CudaStream, warmup: usize, reps: usize, f: &mut dyn
     }
     let mut times = Vec::with_capacity(reps);
     for _ in 0..reps.max(1) {
-        let a = ctx.new_event(None).during(|| "creating a timing event".into())?;
-        let b = ctx.new_event(None).during(|| "creating a timing event".into())?;
+        let a = ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).during(|| "creating a timing event".into())?;
+        let b = ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).during(|| "creating a timing event".into())?;
         a.record(stream).during(|| "recording a timing event".into())?;
         f()?;
         b.record(stream).during(|| "recording a timing event".into())?;

@@ -152,7 +152,11 @@ impl Cache {
                 self.entries.entry(k).or_insert(v);
             }
         }
-        let file = File { format: FORMAT, header: self.header.clone(), entries: self.entries.iter().map(|(k, v)| (k.clone(), v.clone())).collect() };
+        let file = File {
+            format: FORMAT,
+            header: self.header.clone(),
+            entries: self.entries.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        };
         let text = serde_json::to_string_pretty(&file).map_err(|e| e.to_string())?;
         let tmp = path.with_extension(format!("json.tmp.{}", std::process::id()));
         let write = || -> std::io::Result<()> {

@@ -229,7 +229,7 @@ pub fn can_implement(c: TileConfig, device: Option<&DeviceInfo>, p: Problem) -> 
             return Err(format!("needs {} B shared memory > {} B", c.smem_bytes(), d.max_smem_optin));
         }
     }
-    if p.d % 8 != 0 {
+    if !p.d.is_multiple_of(8) {
         return Err(format!("d = {} is not a multiple of 8", p.d));
     }
     Ok(())

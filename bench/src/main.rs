@@ -1,0 +1,336 @@
+//! `lmhead-bench`: the fused kernels side by side with a cuBLAS bf16 GEMM of the same shape, in
+//! the same run. Prints a markdown table, appends JSON lines to a results file.
+//!
+//! ```text
+//! lmhead-bench [quick|sweep|probe|entropy] [--filter SUBSTR] [--budget-s N] [--reps N]
+//!              [--out results.jsonl] [--fallback] [--no-check]
+//! ```
+//!
+//! Measurement hygiene: random inputs (never zeros), CUDA events after warm-up, the median of
+//! `--reps` runs (p20/p80 kept), inputs larger than 3× L2 or rotated among copies, and a check of
+//! the timed run's log-probs on sampled rows against the f64 reference, so a fast wrong kernel
+//! cannot win. FLOPs: one logits GEMM is `2·t·v·d`; forward+backward does four (logits,
+//! recompute, dh, dW).
+
+mod cublas;
+mod suites;
+
+use std::io::Write as _;
+use std::sync::Arc;
+use std::time::Instant;
+
+use lmhead::cudarc::driver::{CudaSlice, CudaStream};
+use lmhead::tune::bench::{median, percentile};
+use lmhead::{bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, FwdInputs, FwdOptions, FwdOutputs, GradOut, LmHead, Problem};
+use lmhead_reference::rng::Rng;
+use serde_json::json;
+
+pub use suites::{Case, Suite};
+
+/// Command-line options.
+#[derive(Clone, Debug)]
+pub struct Args {
+    pub suite: String,
+    pub filter: Option<String>,
+    pub budget_s: f64,
+    pub reps: usize,
+    pub out: String,
+    pub fallback: bool,
+    pub check: bool,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        suite: "quick".into(),
+        filter: None,
+        budget_s: f64::INFINITY,
+        reps: 10,
+        out: "bench-results.jsonl".into(),
+        fallback: false,
+        check: true,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(x) = it.next() {
+        match x.as_str() {
+            "--filter" => a.filter = Some(it.next().ok_or("--filter needs a value")?),
+            "--budget-s" => a.budget_s = it.next().ok_or("--budget-s needs a value")?.parse().map_err(|e| format!("--budget-s: {e}"))?,
+            "--reps" => a.reps = it.next().ok_or("--reps needs a value")?.parse().map_err(|e| format!("--reps: {e}"))?,
+            "--out" => a.out = it.next().ok_or("--out needs a value")?,
+            "--fallback" => a.fallback = true,
+            "--no-check" => a.check = false,
+            "-h" | "--help" => return Err(String::new()),
+            s if !s.starts_with('-') => a.suite = s.to_string(),
+            s => return Err(format!("unknown option {s}")),
+        }
+    }
+    Ok(a)
+}
+
+/// Random bf16 data in parallel (SplitMix per chunk): `N(0, scale²)`-ish via a sum of uniforms.
+pub fn random_bf16(n: usize, scale: f32, seed: u64) -> Vec<u16> {
+    use rayon::prelude::*;
+    let mut out = vec![0u16; n];
+    out.par_chunks_mut(1 << 16).enumerate().for_each(|(ci, chunk)| {
+        let mut r = Rng::new(seed ^ (ci as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        for x in chunk.iter_mut() {
+            let u = r.next_u64();
+            // Sum of four 16-bit uniforms: mean 2, roughly normal; centred and scaled.
+            let s = ((u & 0xFFFF) + ((u >> 16) & 0xFFFF) + ((u >> 32) & 0xFFFF) + (u >> 48)) as f32 / 65536.0 - 2.0;
+            *x = lmhead_reference::bf16::from_f32(s * scale * 1.732);
+        }
+    });
+    out
+}
+
+/// One measured operation.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Timing {
+    pub p20: f64,
+    pub p50: f64,
+    pub p80: f64,
+}
+
+fn time(stream: &CudaStream, warmup: usize, reps: usize, f: &mut dyn FnMut() -> lmhead::Result<()>) -> lmhead::Result<Timing> {
+    let ctx = stream.context();
+    for _ in 0..warmup {
+        f()?;
+    }
+    let mut ts = Vec::new();
+    for _ in 0..reps {
+        let a = ctx.new_event(Some(lmhead_timing_flags())).unwrap();
+        let b = ctx.new_event(Some(lmhead_timing_flags())).unwrap();
+        a.record(stream).unwrap();
+        f()?;
+        b.record(stream).unwrap();
+        b.synchronize().unwrap();
+        ts.push(a.elapsed_ms(&b).unwrap() as f64);
+    }
+    let p50 = median(&mut ts.clone());
+    Ok(Timing { p20: percentile(&mut ts.clone(), 0.2), p50, p80: percentile(&mut ts, 0.8) })
+}
+
+/// Everything measured for one shape.
+#[derive(Debug, serde::Serialize)]
+pub struct Row {
+    pub case: Case,
+    pub gemm: Timing,
+    pub fwd: Timing,
+    pub fwd_ent: Timing,
+    pub fwd_bwd: Option<Timing>,
+    pub fwd_cfg: String,
+    pub fwd_ent_cfg: String,
+    pub bwd_cfg: String,
+    pub workspace_mib: f64,
+    pub check_max_abs: Option<f64>,
+}
+
+fn measure(head: &LmHead, stream: &Arc<CudaStream>, c: &Case, args: &Args, seed: u64) -> lmhead::Result<Row> {
+    let p = Problem::new(c.t, c.v, c.d);
+    let hs = random_bf16(c.t * c.d, 4.0 / (c.d as f32).sqrt(), seed);
+    let ws = random_bf16(c.v * c.d, 0.5, seed ^ 1);
+    let mut rng = Rng::new(seed ^ 2);
+    let labels: Vec<i64> = (0..c.t).map(|_| rng.below(c.v as u64) as i64).collect();
+    let h = lmhead::testing::upload_bf16(stream, &hs)?;
+    let w = lmhead::testing::upload_bf16(stream, &ws)?;
+    let lab = lmhead::testing::upload(stream, &labels)?;
+    let mut lp: CudaSlice<f32> = stream.alloc_zeros(c.t).unwrap();
+    let mut lse: CudaSlice<f32> = stream.alloc_zeros(c.t).unwrap();
+    let mut ent: CudaSlice<f32> = stream.alloc_zeros(c.t).unwrap();
+    let choice = if args.fallback { Choice::Fallback } else { Choice::Auto };
+    let fo = FwdOptions { config: choice, check_labels: false, ..Default::default() };
+    let x = FwdInputs { h: &h, w: &w, labels: &lab, problem: p };
+
+    // cuBLAS: logits = h · Wᵀ (bf16 out, f32 compute).
+    let mut blas = cublas::Gemm::new(stream.clone(), c.t, c.v, c.d)?;
+    let gemm = time(stream, 2, args.reps, &mut || blas.run(&h, &w))?;
+    drop(blas);
+
+    let mut fwd_cfg = String::new();
+    let fwd = time(stream, 2, args.reps, &mut || {
+        let r = head.forward(stream, &x, &fo, FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: None })?;
+        fwd_cfg = r.config.map(|c| c.suffix(lmhead::Family::Fwd)).unwrap_or_default();
+        Ok(())
+    })?;
+    let mut fwd_ent_cfg = String::new();
+    let fwd_ent = time(stream, 2, args.reps, &mut || {
+        let r = head.forward(stream, &x, &fo, FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) })?;
+        fwd_ent_cfg = r.config.map(|c| c.suffix(lmhead::Family::FwdEnt)).unwrap_or_default();
+        Ok(())
+    })?;
+    // Check the timed run's output on sampled rows.
+    let check_max_abs = if args.check {
+        let got = lmhead::testing::download_f32(stream, &lp)?;
+        let rows: Vec<usize> = vec![0, c.t / 3, c.t - 1];
+        let inp = lmhead_reference::Inputs {
+            h: &hs,
+            w: &ws,
+            labels: &labels,
+            t: c.t,
+            v: c.v,
+            d: c.d,
+            v_begin: 0,
+            v_total: c.v as i64,
+            temperature: 1.0,
+            ignore_index: lmhead_reference::IGNORE_INDEX,
+        };
+        let r = lmhead_reference::forward_rows(&inp, &rows);
+        let e = rows.iter().zip(&r).map(|(&i, r)| (got[i] - r.logprob).abs()).fold(0.0f64, f64::max);
+        if e.is_nan() || e >= 1e-3 {
+            return Err(lmhead::Error::Invalid(format!("timed forward disagrees with the reference: max |Δ logprob| = {e}")));
+        }
+        Some(e)
+    } else {
+        None
+    };
+    let mut bwd_cfg = String::new();
+    let fwd_bwd = if c.backward {
+        let gl = lmhead::testing::upload(stream, &vec![1.0f32; c.t])?;
+        let ge = lmhead::testing::upload(stream, &vec![0.1f32; c.t])?;
+        let mut dh: CudaSlice<bf16> = stream.alloc_zeros(c.t * c.d).unwrap();
+        let mut dw: CudaSlice<bf16> = stream.alloc_zeros(c.v * c.d).unwrap();
+        let bo = BwdOptions { config: BwdConfigs::all(choice), ..Default::default() };
+        Some(time(stream, 1, args.reps.clamp(1, 5), &mut || {
+            head.forward(stream, &x, &fo, FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) })?;
+            let bx = BwdInputs {
+                h: &h,
+                w: &w,
+                labels: &lab,
+                lse: &lse,
+                entropy: Some(&ent),
+                grad_logprob: Some(&gl),
+                grad_entropy: Some(&ge),
+                problem: p,
+            };
+            let r = head.backward(stream, &bx, &bo, GradOut::Bf16(&mut dh), GradOut::Bf16(&mut dw))?;
+            bwd_cfg = format!(
+                "{}|{}|{}",
+                r.dlogits.suffix(lmhead::Family::BwdDlogitsEnt),
+                r.dh.suffix(lmhead::Family::BwdDh),
+                r.dw.suffix(lmhead::Family::BwdDw)
+            );
+            Ok(())
+        })?)
+    } else {
+        None
+    };
+    Ok(Row {
+        case: c.clone(),
+        gemm,
+        fwd,
+        fwd_ent,
+        fwd_bwd,
+        fwd_cfg,
+        fwd_ent_cfg,
+        bwd_cfg,
+        workspace_mib: head.workspace_bytes() as f64 / (1 << 20) as f64,
+        check_max_abs,
+    })
+}
+
+/// Events that record timing (cudarc's default disables it).
+fn lmhead_timing_flags() -> lmhead::cudarc::driver::sys::CUevent_flags {
+    lmhead::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT
+}
+
+fn tflops(flop: f64, ms: f64) -> f64 {
+    flop / (ms * 1e-3) / 1e12
+}
+
+fn commit() -> String {
+    std::env::var("LMHEAD_COMMIT").unwrap_or_else(|_| option_env!("LMHEAD_BUILD_COMMIT").unwrap_or("unknown").to_string())
+}
+
+fn main() {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback] [--no-check]");
+            std::process::exit(2);
+        }
+    };
+    if !lmhead::driver_present() {
+        eprintln!("lmhead-bench: no CUDA driver on this machine; the benchmark needs an H100/H200 (see docs/BENCHMARKS.md)");
+        std::process::exit(1);
+    }
+    let head = LmHead::new(0).unwrap_or_else(|e| {
+        eprintln!("lmhead-bench: {e}");
+        std::process::exit(1)
+    });
+    let stream = head.gpu().context().default_stream();
+    let info = head.gpu().info().clone();
+    if args.suite == "probe-child" {
+        let ms = suites::timed_call(&head, &stream, 20_000, 128_256, 4096);
+        println!("| fresh process, cache on disk (JIT, no tuning) | 20000 | 32768 | {ms:.1} |");
+        return;
+    }
+    let suite = Suite::named(&args.suite).unwrap_or_else(|| {
+        eprintln!("unknown suite `{}` (quick, sweep, probe, entropy)", args.suite);
+        std::process::exit(2)
+    });
+    if let Suite::Probe = suite {
+        suites::probe(&head, &stream, &args);
+        return;
+    }
+    let cases: Vec<Case> =
+        suite.cases().into_iter().filter(|c| args.filter.as_ref().is_none_or(|f| c.name().contains(f.as_str()))).collect();
+    let (logical, unique) = suite.counts();
+    println!(
+        "# lmhead-bench {} on {} (driver {}), commit {}: {} shapes ({} logical cases → {} unique local shapes in the suite)",
+        args.suite,
+        info.name,
+        info.driver_version,
+        commit(),
+        cases.len(),
+        logical,
+        unique
+    );
+    println!();
+    println!(
+        "| case | T | V | D | GEMM ms | fwd ms (x GEMM) | fwd+ent ms (x GEMM) | fwd+bwd ms (x GEMM) | fwd TFLOP/s | ws MiB | configs |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut out = std::fs::OpenOptions::new().create(true).append(true).open(&args.out).ok();
+    let start = Instant::now();
+    for (i, c) in cases.iter().enumerate() {
+        if start.elapsed().as_secs_f64() > args.budget_s {
+            eprintln!("budget of {} s reached after {i} of {} shapes", args.budget_s, cases.len());
+            break;
+        }
+        eprintln!("[{}/{}] {} ({:.0} s elapsed)", i + 1, cases.len(), c.name(), start.elapsed().as_secs_f64());
+        match measure(&head, &stream, c, &args, 0x5EED ^ i as u64) {
+            Ok(r) => {
+                let f = 2.0 * c.t as f64 * c.v as f64 * c.d as f64;
+                let fb = r.fwd_bwd.as_ref().map(|t| format!("{:.2} ({:.2}x)", t.p50, t.p50 / r.gemm.p50)).unwrap_or_else(|| "-".into());
+                println!(
+                    "| {} | {} | {} | {} | {:.3} | {:.3} ({:.2}x) | {:.3} ({:.2}x) | {} | {:.0} | {:.0} | {} / {} / {} |",
+                    c.name(),
+                    c.t,
+                    c.v,
+                    c.d,
+                    r.gemm.p50,
+                    r.fwd.p50,
+                    r.fwd.p50 / r.gemm.p50,
+                    r.fwd_ent.p50,
+                    r.fwd_ent.p50 / r.gemm.p50,
+                    fb,
+                    tflops(f, r.fwd.p50),
+                    r.workspace_mib,
+                    r.fwd_cfg,
+                    r.fwd_ent_cfg,
+                    r.bwd_cfg
+                );
+                if let Some(o) = out.as_mut() {
+                    let rec = json!({
+                        "gpu": info.name, "driver": info.driver_version, "commit": commit(), "suite": args.suite,
+                        "timestamp": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+                        "tuning": if args.fallback { "fallback" } else { "auto" },
+                        "row": r,
+                    });
+                    let _ = writeln!(o, "{rec}");
+                }
+            }
+            Err(e) => println!("| {} | {} | {} | {} | error: {e} |", c.name(), c.t, c.v, c.d),
+        }
+        head.release_workspace();
+    }
+}

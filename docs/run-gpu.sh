@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (no Rust there): the bundled test and bench binaries from `.gpu/`
+# (built by `cargo xtask gpu-bundle`). Usage, from the repository root on that machine:
+#
+#   bash .gpu/run-gpu.sh [steps...]     steps: info tests quick sweep probe entropy sanitize sass (default: info tests quick)
+#
+# Logs go to $OUT (or ./gpu-out when OUT is unset). Each step has a time limit so that one hung
+# step cannot eat the whole session. Set FILTER to pass a test-name filter to the test binaries,
+# BUDGET to give the sweep a time budget in seconds.
+set -u
+B=$(cd "$(dirname "$0")" && pwd)
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export LMHEAD_GPU_TESTS=1 LMHEAD_COMMIT=$(cat "$B/COMMIT" 2>/dev/null || echo unknown)
+export LMHEAD_TUNE_CACHE=${LMHEAD_TUNE_CACHE:-$OUT/tune-cache.json}
+export NCCL_NVLS_ENABLE=0
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(info tests quick)
+echo "commit $LMHEAD_COMMIT, steps: ${steps[*]}"
+for s in "${steps[@]}"; do
+  t0=$(date +%s)
+  case "$s" in
+    info) nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/info.txt" ;;
+    tests)
+      for t in gpu_fwd gpu_bwd tuner reference tp gpu_reliability; do
+        [ -x "$B/$t" ] || continue
+        echo "== $t"
+        timeout 280 "$B/$t" --test-threads=1 --nocapture ${FILTER:-} > "$OUT/test.tmp" 2>&1
+        cat "$OUT/test.tmp" >> "$OUT/tests.log"
+        grep -E "^test .*(FAILED|ok)$|test result|panicked|SKIP" "$OUT/test.tmp" | head -60
+        grep -A3 "panicked" "$OUT/test.tmp" | grep -v "^stack\|^ *[0-9]*:" | head -40
+        grep -hE "^\[.*\] (fwd|bwd|tp|rel) " "$OUT/test.tmp" >> "$OUT/records.txt"
+        rm -f "$OUT/test.tmp"
+      done ;;
+    quick|sweep|entropy|probe)
+      echo "== bench $s"
+      timeout 500 "$B/lmhead-bench" "$s" --out "$OUT/bench.jsonl" ${BUDGET:+--budget-s $BUDGET} 2>>"$OUT/bench.err" | tee "$OUT/bench-$s.md"
+      tail -3 "$OUT/bench.err" ;;
+    sanitize)
+      for tool in memcheck racecheck initcheck synccheck; do
+        echo "== compute-sanitizer $tool"
+        timeout 600 compute-sanitizer --tool "$tool" --error-exitcode 7 "$B/gpu_reliability" --test-threads=1 --nocapture sanitizer_ 2>&1 | tail -n 15 | tee "$OUT/sanitize-$tool.log"
+      done ;;
+    sass)
+      f=$(ls "$B"/*.cubin 2>/dev/null | head -1)
+      [ -n "$f" ] && cuobjdump --dump-sass "$f" > "$OUT/sass.txt" && grep -c HGMMA "$OUT/sass.txt" ;;
+    *) echo "unknown step $s" ;;
+  esac
+  echo "-- $s took $(( $(date +%s) - t0 )) s"
+done
