@@ -13,7 +13,10 @@ OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export LMHEAD_GPU_TESTS=1 LMHEAD_COMMIT=$(cat "$B/COMMIT" 2>/dev/null || echo unknown)
 export LMHEAD_TUNE_CACHE=${LMHEAD_TUNE_CACHE:-$OUT/tune-cache.json}
-export NCCL_NVLS_ENABLE=0
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# libnccl ships in the nvidia-nccl wheel of the machine's python, not on the default path.
+nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
+[ -n "$nccl_dir" ] && [ -d "$nccl_dir" ] && export LD_LIBRARY_PATH="$nccl_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && ln -sf "$nccl_dir/libnccl.so.2" "$nccl_dir/libnccl.so" 2>/dev/null
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(info tests quick)
 echo "commit $LMHEAD_COMMIT, steps: ${steps[*]}"
 for s in "${steps[@]}"; do
@@ -21,7 +24,7 @@ for s in "${steps[@]}"; do
   case "$s" in
     info) nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/info.txt" ;;
     tests)
-      for t in gpu_fwd gpu_bwd tuner reference tp gpu_reliability; do
+      for t in ${TESTS:-gpu_fwd gpu_bwd tp gpu_reliability tuner reference}; do
         [ -x "$B/$t" ] || continue
         echo "== $t"
         timeout 280 "$B/$t" --test-threads=1 --nocapture ${FILTER:-} > "$OUT/test.tmp" 2>&1

@@ -27,6 +27,7 @@ use lmhead_core::Problem;
 use crate::error::{Context as _, Error, Result};
 use crate::fwd::check_temperature;
 use crate::launch::{self, dev_in, dev_out, Dev, Dims, GemmOut, Labels, Scalars};
+use crate::tp::{Communicator, ReduceDh, ReduceOp, Shard};
 use crate::tune::{Choice, TuneKey};
 use crate::{bf16, LabelType, LmHead};
 
@@ -125,11 +126,46 @@ impl LmHead {
         stream: &Arc<CudaStream>,
         x: &BwdInputs<'_, L>,
         opts: &BwdOptions,
+        dh: GradOut<'_>,
+        dw: GradOut<'_>,
+    ) -> Result<BwdReport> {
+        self.backward_impl(stream, x, Shard::whole(x.problem.v), None, opts, dh, dw)
+    }
+
+    /// The backward under vocab-parallel tensor parallelism: `x.w` is this rank's shard, `x.lse`
+    /// and `x.entropy` the *global* values from [`LmHead::forward_tp`]. `dw` receives this
+    /// shard's rows; `dh` the full gradient (`ReduceDh::AllReduce`, a SUM over `comm`) or this
+    /// rank's partial sum (`ReduceDh::Caller`). See [`crate::tp`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_tp<L: LabelType>(
+        &self,
+        comm: &dyn Communicator,
+        stream: &Arc<CudaStream>,
+        x: &BwdInputs<'_, L>,
+        shard: Shard,
+        reduce: ReduceDh,
+        opts: &BwdOptions,
+        dh: GradOut<'_>,
+        dw: GradOut<'_>,
+    ) -> Result<BwdReport> {
+        let comm = (reduce == ReduceDh::AllReduce).then_some(comm);
+        self.backward_impl(stream, x, shard, comm, opts, dh, dw)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn backward_impl<L: LabelType>(
+        &self,
+        stream: &Arc<CudaStream>,
+        x: &BwdInputs<'_, L>,
+        shard: Shard,
+        reduce_dh: Option<&dyn Communicator>,
+        opts: &BwdOptions,
         mut dh: GradOut<'_>,
         mut dw: GradOut<'_>,
     ) -> Result<BwdReport> {
         let p = x.problem;
         p.check()?;
+        shard.check(p.v)?;
         let inv_temp = check_temperature(opts.temperature)?;
         self.check_stream(stream)?;
         if x.grad_entropy.is_some() && x.entropy.is_none() {
@@ -138,7 +174,7 @@ impl LmHead {
         if opts.chunk == 0 {
             return Err(Error::Invalid("chunk width must be ≥ 1".into()));
         }
-        let sc = Scalars { inv_temp, ignore_index: opts.ignore_index, v_begin: 0 };
+        let sc = Scalars { inv_temp, ignore_index: opts.ignore_index, v_begin: shard.v_begin as i64 };
         let h = dev_in(x.h, stream, "h")?;
         let w = dev_in(x.w, stream, "W")?;
         let labels = L::labels(x.labels, stream)?;
@@ -152,7 +188,7 @@ impl LmHead {
         let dw = grad_out(&mut dw, stream, "dW")?;
         dh.dev.check_exact(p.t * p.d, if dh.f32 { 8 } else { 4 })?;
         dw.dev.check_exact(p.v * p.d, if dw.f32 { 8 } else { 4 })?;
-        self.backward_dev(stream, p, sc, opts, &h, &w, &labels, &lse, gl.as_ref(), ent.as_ref().map(|(a, b)| (a, b)), &dh, &dw)
+        self.backward_dev(stream, p, sc, opts, reduce_dh, &h, &w, &labels, &lse, gl.as_ref(), ent.as_ref().map(|(a, b)| (a, b)), &dh, &dw)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -162,6 +198,7 @@ impl LmHead {
         p: Problem,
         sc: Scalars,
         opts: &BwdOptions,
+        reduce_dh: Option<&dyn Communicator>,
         h: &Dev,
         w: &Dev,
         labels: &Labels,
@@ -176,15 +213,18 @@ impl LmHead {
         let stride = stride_of(chunk);
         let chunks = p.v.div_ceil(chunk);
         let fam_dl = if ent.is_some() { Family::BwdDlogitsEnt } else { Family::BwdDlogits };
-        let (cfg_dl, cfg_dh, cfg_dw) = self.bwd_configs(stream, opts.config, p, chunk, fam_dl, sc, (h, w, labels, lse, gl, ent))?;
+        let tp = sc.v_begin != 0 || reduce_dh.is_some();
+        let (cfg_dl, cfg_dh, cfg_dw) = self.bwd_configs(stream, opts.config, p, chunk, fam_dl, sc, tp, (h, w, labels, lse, gl, ent))?;
         let mut guard = self.ws.lock().unwrap();
         {
             let ws = &mut *guard;
             let staging = ws.staging.get(stream, p.t * stride)?;
             let staging = dev_out(staging, stream, "staging")?;
-            // The f32 accumulator of dh: the caller's buffer when f32, else the workspace's.
+            // The f32 accumulator of dh: the caller's buffer when f32, else the workspace's
+            // (not needed for a single chunk written straight to bf16 without reduction).
+            let reduce_bf16 = reduce_dh.is_some() && !dh.f32;
             let acc_buf;
-            let acc: &Dev = if dh.f32 || chunks == 1 {
+            let acc: &Dev = if dh.f32 || (chunks == 1 && !reduce_bf16) {
                 &dh.dev
             } else {
                 acc_buf = dev_out(ws.dh_acc.get(stream, p.t * p.d)?, stream, "dh accumulator")?;
@@ -198,14 +238,10 @@ impl LmHead {
                 let first = c == 0;
                 let last = c + 1 == chunks;
                 let w_chunk = w.sub(c0 * p.d, cw * p.d, 2)?;
-                let mode = if dh.f32 {
-                    GemmOut { accumulate: !first, write_acc: true, out_f32: true }
-                } else if last {
-                    GemmOut { accumulate: !first, write_acc: false, out_f32: false }
-                } else {
-                    GemmOut { accumulate: !first, write_acc: true, out_f32: false }
-                };
-                let out = (!dh.f32 && last).then_some(&dh.dev);
+                // With a reduction, bf16 dh stays in the f32 accumulator until after the SUM.
+                let straight_to_bf16 = !dh.f32 && last && !reduce_bf16;
+                let mode = GemmOut { accumulate: !first, write_acc: !straight_to_bf16, out_f32: dh.f32 };
+                let out = straight_to_bf16.then_some(&dh.dev);
                 launch::bwd_gemm(
                     &self.gpu,
                     stream,
@@ -235,6 +271,13 @@ impl LmHead {
                     mode,
                 )?;
             }
+            if let Some(comm) = reduce_dh {
+                // Tensor parallel: every rank's partial dh, summed in f32, then rounded.
+                comm.all_reduce(stream, acc, ReduceOp::Sum)?;
+                if reduce_bf16 {
+                    launch::cast_f32_bf16(&self.gpu, stream, p.t * p.d, acc, &dh.dev)?;
+                }
+            }
         }
         let workspace_bytes = guard.staging.bytes() + guard.dh_acc.bytes();
         Ok(BwdReport { dlogits: cfg_dl, dh: cfg_dh, dw: cfg_dw, chunk, chunks, workspace_bytes })
@@ -250,6 +293,7 @@ impl LmHead {
         chunk: usize,
         fam_dl: Family,
         sc: Scalars,
+        tp: bool,
         (h, w, labels, lse, gl, ent): (&Dev, &Dev, &Labels, &Dev, Option<&Dev>, Option<(&Dev, &Dev)>),
     ) -> Result<(TileConfig, TileConfig, TileConfig)> {
         let stride = stride_of(chunk);
@@ -258,7 +302,7 @@ impl LmHead {
         let needs_tuning = self.tuner.enabled()
             && [(fam_dl, choice.dlogits), (Family::BwdDh, choice.dh), (Family::BwdDw, choice.dw)]
                 .iter()
-                .any(|&(f, c)| c == Choice::Auto && self.tuner.entry(&TuneKey::new(f, chunk_problem, false)).is_none());
+                .any(|&(f, c)| c == Choice::Auto && self.tuner.entry(&TuneKey::new(f, chunk_problem, tp)).is_none());
         // Scratch for the trials (allocated only when something is tuned).
         let mut scratch = if needs_tuning {
             let alloc = |n: usize, what: &'static str| stream.alloc_zeros::<bf16>(n).map_err(|_| Error::OutOfMemory { what, bytes: 2 * n });
@@ -274,7 +318,7 @@ impl LmHead {
             let step = (v.len() / 4096).max(1);
             v.iter().step_by(step).map(|&x| x as f64).collect()
         };
-        let cfg_dl = self.tuner.pick(&TuneKey::new(fam_dl, chunk_problem, false), choice.dlogits, &self.gpu, &mut |cfg| {
+        let cfg_dl = self.tuner.pick(&TuneKey::new(fam_dl, chunk_problem, tp), choice.dlogits, &self.gpu, &mut |cfg| {
             let (st, _, _) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
             let ms = crate::tune::bench::time_ms(stream, || {
                 let sd = dev_out(&mut *st, stream, "tuning staging")?;
@@ -289,7 +333,7 @@ impl LmHead {
             let sd = dev_out(&mut *st, stream, "tuning staging")?;
             launch::bwd_dlogits(&self.gpu, stream, cfg_dl, dims, sc, (0, chunk, stride), h, w, labels, lse, gl, ent, &sd)?;
         }
-        let cfg_dh = self.tuner.pick(&TuneKey::new(Family::BwdDh, chunk_problem, false), choice.dh, &self.gpu, &mut |cfg| {
+        let cfg_dh = self.tuner.pick(&TuneKey::new(Family::BwdDh, chunk_problem, tp), choice.dh, &self.gpu, &mut |cfg| {
             let (st, acc, _) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
             let ms = crate::tune::bench::time_ms(stream, || {
                 let sd = dev_in(&*st, stream, "tuning staging")?;
@@ -301,7 +345,7 @@ impl LmHead {
             let host = stream.clone_dtoh(&*acc).during(|| "reading tuning dh".into())?;
             Ok(crate::tune::Trial { ms, check: sample(&host) })
         })?;
-        let cfg_dw = self.tuner.pick(&TuneKey::new(Family::BwdDw, chunk_problem, false), choice.dw, &self.gpu, &mut |cfg| {
+        let cfg_dw = self.tuner.pick(&TuneKey::new(Family::BwdDw, chunk_problem, tp), choice.dw, &self.gpu, &mut |cfg| {
             let (st, _, out) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
             let ms = crate::tune::bench::time_ms(stream, || {
                 let sd = dev_in(&*st, stream, "tuning staging")?;

@@ -14,6 +14,7 @@ use lmhead_core::Problem;
 
 use crate::error::{Context as _, Error, Result};
 use crate::launch::{self, dev_in, dev_out, Dev, Dims, Labels, MergeOuts, MergeStep, Scalars};
+use crate::tp::{Communicator, ReduceOp, Shard};
 use crate::tune::{Choice, TuneKey};
 use crate::{bf16, LabelType, LmHead};
 
@@ -99,11 +100,39 @@ impl LmHead {
         opts: &FwdOptions,
         out: FwdOutputs<'_>,
     ) -> Result<FwdReport> {
+        self.forward_impl(stream, x, Shard::whole(x.problem.v), None, opts, out)
+    }
+
+    /// The forward under vocab-parallel tensor parallelism: `x.w` is this rank's shard (rows
+    /// `[shard.v_begin, shard.v_begin + x.problem.v)`), labels are global. Every rank of `comm`
+    /// must call it; every rank ends with the full lse, log-prob and entropy (see [`crate::tp`]).
+    pub fn forward_tp<L: LabelType>(
+        &self,
+        comm: &dyn Communicator,
+        stream: &Arc<CudaStream>,
+        x: &FwdInputs<'_, L>,
+        shard: Shard,
+        opts: &FwdOptions,
+        out: FwdOutputs<'_>,
+    ) -> Result<FwdReport> {
+        self.forward_impl(stream, x, shard, Some(comm), opts, out)
+    }
+
+    fn forward_impl<L: LabelType>(
+        &self,
+        stream: &Arc<CudaStream>,
+        x: &FwdInputs<'_, L>,
+        shard: Shard,
+        comm: Option<&dyn Communicator>,
+        opts: &FwdOptions,
+        out: FwdOutputs<'_>,
+    ) -> Result<FwdReport> {
         let p = x.problem;
         p.check()?;
+        shard.check(p.v)?;
         let inv_temp = check_temperature(opts.temperature)?;
         self.check_stream(stream)?;
-        let sc = Scalars { inv_temp, ignore_index: opts.ignore_index, v_begin: 0 };
+        let sc = Scalars { inv_temp, ignore_index: opts.ignore_index, v_begin: shard.v_begin as i64 };
         let dims = Dims { t: p.t, v: p.v, d: p.d };
         let h = dev_in(x.h, stream, "h")?;
         let w = dev_in(x.w, stream, "W")?;
@@ -119,7 +148,7 @@ impl LmHead {
             return Ok(FwdReport { config: None, n_splits: 0 });
         }
         let family = if entropy.is_some() { Family::FwdEnt } else { Family::Fwd };
-        let cfg = self.fwd_config(stream, family, opts.config, p, sc, &h, &w, &labels)?;
+        let cfg = self.fwd_config(stream, family, opts.config, p, sc, comm.is_some(), (&h, &w, &labels))?;
         let mut guard = self.ws.lock().unwrap();
         let ws = &mut *guard;
         let tiles_per_split = self.plan_split(family, cfg, p)?;
@@ -128,26 +157,32 @@ impl LmHead {
             let pd = dev_out(partials, stream, "partials")?;
             launch::fwd_mainloop(&self.gpu, stream, entropy.is_some(), cfg, tiles_per_split, dims, sc, &h, &w, &labels, &pd)?
         };
-        let (partials, status) = (&mut ws.partials, &mut ws.status);
+        let (partials, status, row_state) = (&mut ws.partials, &mut ws.status, &mut ws.row_state);
         let status = status.get(stream, 1)?;
         stream.memset_zeros(status).during(|| "clearing the status word".into())?;
         let partials = partials.get(stream, n_splits as usize * p.t)?;
         let pd = dev_in(&*partials, stream, "partials")?;
+        let vals = (shard.v_total as i64, shard.v_begin as i64, opts.ignore_index);
         {
             let sd = dev_out(status, stream, "status")?;
             let outs = MergeOuts { logprob: &logprob, lse: &lse, entropy: entropy.as_ref(), status: &sd };
-            launch::merge(
-                &self.gpu,
-                stream,
-                MergeStep::Full,
-                p.t,
-                n_splits,
-                (p.v as i64, 0, opts.ignore_index),
-                &labels,
-                Some(&pd),
-                None,
-                Some(outs),
-            )?;
+            match comm {
+                None => launch::merge(&self.gpu, stream, MergeStep::Full, p.t, n_splits, vals, &labels, Some(&pd), None, Some(outs))?,
+                Some(comm) => {
+                    // Tensor parallel: local row state, MAX of the maxima, rescale, SUM of
+                    // (s, z_label[, t]), finish (see crate::tp).
+                    let rs = dev_out(row_state.get(stream, 5 * p.t)?, stream, "row states")?;
+                    let step = |s: MergeStep, o: Option<MergeOuts>| {
+                        launch::merge(&self.gpu, stream, s, p.t, n_splits, vals, &labels, Some(&pd), Some(&rs), o)
+                    };
+                    step(MergeStep::RowState, None)?;
+                    comm.all_reduce(stream, &rs.sub(p.t, p.t, 4)?, ReduceOp::Max)?;
+                    step(MergeStep::Rescale, None)?;
+                    let slots = if entropy.is_some() { 3 } else { 2 };
+                    comm.all_reduce(stream, &rs.sub(2 * p.t, slots * p.t, 4)?, ReduceOp::Sum)?;
+                    step(MergeStep::Finish, Some(outs))?;
+                }
+            }
         }
         if opts.check_labels {
             let flags = stream.clone_dtoh(&*status).during(|| "reading the label status".into())?;
@@ -176,11 +211,10 @@ impl LmHead {
         choice: Choice,
         p: Problem,
         sc: Scalars,
-        h: &Dev,
-        w: &Dev,
-        labels: &Labels,
+        tp: bool,
+        (h, w, labels): (&Dev, &Dev, &Labels),
     ) -> Result<TileConfig> {
-        let key = TuneKey::new(family, p, false);
+        let key = TuneKey::new(family, p, tp);
         let dims = Dims { t: p.t, v: p.v, d: p.d };
         self.tuner.pick(&key, choice, &self.gpu, &mut |cfg| {
             let tps = self.plan_split(family, cfg, p)?;

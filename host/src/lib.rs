@@ -22,6 +22,7 @@ pub mod fwd;
 pub mod launch;
 pub mod ptx;
 pub mod testing;
+pub mod tp;
 
 pub mod tune;
 pub mod workspace;
@@ -36,6 +37,7 @@ pub use lmhead_core::{Family, Problem, TileConfig, TokenBucket};
 
 pub use bwd::{BwdConfigs, BwdInputs, BwdOptions, BwdReport, GradOut};
 pub use fwd::{FwdInputs, FwdOptions, FwdOutputs, FwdReport};
+pub use tp::{Communicator, LocalComm, ReduceDh, Shard};
 pub use tune::{Choice, Tuner};
 
 /// Label element types the kernels read: `i32` and `i64`.

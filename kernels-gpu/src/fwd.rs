@@ -10,7 +10,7 @@
 //! With `ENT = false` the `t` sums are never stored, so their arithmetic is dead code and is
 //! removed: the log-prob-only instance does no entropy work.
 
-use crate::intrinsics::{self, exp2, fma};
+use crate::intrinsics::{self, exp2, fma, max_nan};
 use crate::mainloop::{self, Acc, Operand, WarpPos};
 use lmhead_core::lse::Lse2;
 use lmhead_core::params::{LogitsParams, Partial, LABELS_I64};
@@ -230,9 +230,11 @@ fn fold_tile<const BN: usize, const MI: usize, const NI: usize, const ENT: bool>
     });
     unroll!(MI, |mi| {
         unroll!(2, |h| {
+            // NaN-propagating maximum: a row of NaN logits must not look like an all-padding
+            // tile (which is skipped) and silently drop out of the sums.
             let mut tmax = f32::NEG_INFINITY;
             unroll!(NI, |ni| {
-                tmax = tmax.max(acc[mi][ni][2 * h]).max(acc[mi][ni][2 * h + 1]);
+                tmax = max_nan(max_nan(tmax, acc[mi][ni][2 * h]), acc[mi][ni][2 * h + 1]);
             });
             if tmax != f32::NEG_INFINITY {
                 let mut x = st[mi][h].absorb_max(tmax * scale2, exp2);

@@ -176,6 +176,15 @@ pub fn fma(a: f32, b: f32, c: f32) -> f32 {
     r
 }
 
+/// `max(a, b)` that returns NaN when either is NaN (`max.NaN.f32`), unlike `f32::max`.
+#[inline(always)]
+pub fn max_nan(a: f32, b: f32) -> f32 {
+    let r: f32;
+    // SAFETY: a pure arithmetic instruction (sm_80+, PTX 7.0+).
+    unsafe { asm!("max.NaN.f32 {r}, {a}, {b};", r = out(reg32) r, a = in(reg32) a, b = in(reg32) b, options(pure, nomem, nostack)) };
+    r
+}
+
 /// `log2 x` (`lg2.approx.ftz.f32`).
 #[inline(always)]
 pub fn log2(x: f32) -> f32 {

@@ -2,9 +2,9 @@
 //! and entropy, the tensor-parallel steps (row state, rescale to the global maximum, finish), and
 //! an f32 → bf16 cast. One thread per row; the reads of one split are coalesced across threads.
 //!
-//! Row states for tensor parallelism are SoA `[5][t]` f32: `m_local, m_global, s, t, z_label`.
+//! Row states for tensor parallelism are SoA `[5][t]` f32: `m_local, m_global, s, z_label, t`.
 //! `m_global` starts as a copy of `m_local` and is all-reduced with MAX; after `rescale`, the
-//! slots `s, t, z_label` (contiguous) are all-reduced with SUM.
+//! contiguous slots `s, z_label` (and `t` when entropy is wanted) are all-reduced with SUM.
 
 use crate::fwd::load_label;
 use crate::intrinsics::{self, exp2, log2};
@@ -100,8 +100,8 @@ pub unsafe fn fwd_row_state(p: &MergeParams) {
             *rs.add(r) = x.m;
             *rs.add(t + r) = x.m;
             *rs.add(2 * t + r) = x.s;
-            *rs.add(3 * t + r) = x.t;
-            *rs.add(4 * t + r) = z;
+            *rs.add(3 * t + r) = z;
+            *rs.add(4 * t + r) = x.t;
         }
     }
 }
@@ -120,12 +120,12 @@ pub unsafe fn fwd_rescale(p: &MergeParams) {
         // SAFETY: row < t; row_state holds 5·t floats.
         unsafe {
             let rs = p.row_state as *mut f32;
-            let x = Lse2 { m: *rs.add(r), s: *rs.add(2 * t + r), t: *rs.add(3 * t + r) };
+            let x = Lse2 { m: *rs.add(r), s: *rs.add(2 * t + r), t: *rs.add(4 * t + r) };
             let m_global = *rs.add(t + r);
             if m_global != f32::NEG_INFINITY {
                 let y = x.rescale(m_global, exp2);
                 *rs.add(2 * t + r) = y.s;
-                *rs.add(3 * t + r) = y.t;
+                *rs.add(4 * t + r) = y.t;
             }
         }
     }
@@ -144,8 +144,8 @@ pub unsafe fn fwd_finish(p: &MergeParams) {
         // SAFETY: row < t; row_state holds 5·t floats; outputs per contract.
         unsafe {
             let rs = p.row_state as *const f32;
-            let x = Lse2 { m: *rs.add(t + r), s: *rs.add(2 * t + r), t: *rs.add(3 * t + r) };
-            finish_row(p, row, x, *rs.add(4 * t + r));
+            let x = Lse2 { m: *rs.add(t + r), s: *rs.add(2 * t + r), t: *rs.add(4 * t + r) };
+            finish_row(p, row, x, *rs.add(3 * t + r));
         }
     }
 }

@@ -11,6 +11,11 @@
 //! - `bench [args]`: run `lmhead-bench` here (needs a GPU).
 //! - `gpu-bundle`: build the release test and bench binaries and copy them, with `run-gpu.sh`,
 //!   into `.gpu/` (git-ignored), ready to carry to a GPU machine without Rust.
+//! - `bench-report <results.jsonl> [--out-dir DIR]`: turn `lmhead-bench` JSON lines into a
+//!   markdown report (tables, autotuned vs fallback summary) and PNG plots, by default in
+//!   `docs/bench/` (see `report.rs`). Needs no GPU.
+
+mod report;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -136,7 +141,8 @@ fn main() -> ExitCode {
         ),
         Some("bench") => status(cargo().current_dir(root()).args(["run", "--release", "-p", "lmhead-bench", "--"]).args(&args[1..])),
         Some("gpu-bundle") => bundle(),
-        _ => Err("usage: cargo xtask <setup|build-ptx|test|demo|bench|gpu-bundle>".into()),
+        Some("bench-report") => report::run(&args[1..]),
+        _ => Err("usage: cargo xtask <setup|build-ptx|test|demo|bench|gpu-bundle|bench-report <results.jsonl> [--out-dir DIR]>".into()),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

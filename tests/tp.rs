@@ -1,0 +1,212 @@
+//! Tensor parallelism on one GPU with the in-process communicator (one thread per rank), and a
+//! single-rank NCCL communicator when libnccl is present. Skipped without a CUDA driver.
+//!
+//! Each TP result is compared with the unsharded GPU run on the same inputs (and the forward also
+//! with the f64 reference). Sharding changes only the merge order of the row states and of the
+//! `dh` partial sums, so the thresholds are tight: log-prob / lse / entropy within `2e-5` of the
+//! unsharded run; `dW` (f32) within relative L2 `1e-5` (the same d-logits columns and the same
+//! K order: identical up to reassociation inside the chunk tiling); `dh` (f32) within `1e-4`.
+
+use std::sync::Arc;
+
+use lmhead::cudarc::driver::{CudaSlice, CudaStream};
+use lmhead::testing::{download_f32, poison, upload, upload_bf16};
+use lmhead::{
+    BwdConfigs, BwdInputs, BwdOptions, Choice, Communicator, FwdInputs, FwdOptions, FwdOutputs, GradOut, LmHead, LocalComm, Problem,
+    ReduceDh, Shard,
+};
+use lmhead_reference::{forward, Case, Structure};
+use lmhead_tests::{check, check_rel_l2, gpu_or_skip, run_seed};
+
+struct Outs {
+    lp: Vec<f64>,
+    lse: Vec<f64>,
+    ent: Option<Vec<f64>>,
+    dh: Vec<f64>,
+    dw: Vec<f64>,
+}
+
+/// One rank's (or the unsharded) run: forward (entropy optional) and backward with f32 outputs.
+#[allow(clippy::too_many_arguments)]
+fn run_rank(
+    head: &LmHead,
+    stream: &Arc<CudaStream>,
+    case: &Case,
+    (v0, v1): (usize, usize),
+    comm: Option<&dyn Communicator>,
+    entropy: bool,
+    reduce: ReduceDh,
+    grads: (&[f32], &[f32]),
+) -> Outs {
+    let (t, d) = (case.t, case.d);
+    let v = v1 - v0;
+    let p = Problem::new(t, v, d);
+    let h = upload_bf16(stream, &case.h).unwrap();
+    let w = upload_bf16(stream, &case.w[v0 * d..v1 * d]).unwrap();
+    let labels = upload(stream, &case.labels).unwrap();
+    let shard = Shard { v_begin: v0, v_total: case.v };
+    let mut lp: CudaSlice<f32> = stream.alloc_zeros(t).unwrap();
+    let mut lse: CudaSlice<f32> = stream.alloc_zeros(t).unwrap();
+    let mut ent: CudaSlice<f32> = stream.alloc_zeros(t).unwrap();
+    for b in [&mut lp, &mut lse, &mut ent] {
+        poison(stream, b).unwrap();
+    }
+    let fo = FwdOptions { config: Choice::Fallback, ..Default::default() };
+    let x = FwdInputs { h: &h, w: &w, labels: &labels, problem: p };
+    let outs = FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: if entropy { Some(&mut ent) } else { None } };
+    match comm {
+        Some(c) => head.forward_tp(c, stream, &x, shard, &fo, outs),
+        None => head.forward(stream, &x, &fo, outs),
+    }
+    .unwrap();
+    let gl = upload(stream, grads.0).unwrap();
+    let ge = upload(stream, grads.1).unwrap();
+    let mut dh: CudaSlice<f32> = stream.alloc_zeros(t * d).unwrap();
+    let mut dw: CudaSlice<f32> = stream.alloc_zeros(v * d).unwrap();
+    poison(stream, &mut dh).unwrap();
+    poison(stream, &mut dw).unwrap();
+    let bx = BwdInputs {
+        h: &h,
+        w: &w,
+        labels: &labels,
+        lse: &lse,
+        entropy: entropy.then_some(&ent as &dyn lmhead::cudarc::driver::DevicePtr<f32>),
+        grad_logprob: Some(&gl),
+        grad_entropy: entropy.then_some(&ge as &dyn lmhead::cudarc::driver::DevicePtr<f32>),
+        problem: p,
+    };
+    // A small chunk so that shards are walked in several chunks.
+    let bo = BwdOptions { chunk: 96, config: BwdConfigs::all(Choice::Fallback), ..Default::default() };
+    match comm {
+        Some(c) => head.backward_tp(c, stream, &bx, shard, reduce, &bo, GradOut::F32(&mut dh), GradOut::F32(&mut dw)),
+        None => head.backward(stream, &bx, &bo, GradOut::F32(&mut dh), GradOut::F32(&mut dw)),
+    }
+    .unwrap();
+    Outs {
+        lp: download_f32(stream, &lp).unwrap(),
+        lse: download_f32(stream, &lse).unwrap(),
+        ent: entropy.then(|| download_f32(stream, &ent).unwrap()),
+        dh: download_f32(stream, &dh).unwrap(),
+        dw: download_f32(stream, &dw).unwrap(),
+    }
+}
+
+fn tp_case(test: &str, n: usize, v: usize, entropy: bool, reduce: ReduceDh, seed: u64) -> String {
+    let (t, d) = (300, 256);
+    let case = Case::generate(seed, t, v, d, &Structure { huge: 0.0, all_negative: 0.0, ..Default::default() });
+    let mut rng = lmhead_reference::rng::Rng::new(seed ^ 7);
+    let gl: Vec<f32> = (0..t).map(|_| rng.normal() as f32).collect();
+    let ge: Vec<f32> = (0..t).map(|_| rng.normal() as f32).collect();
+    let desc = format!("{test} n={n} t={t} v={v} d={d} entropy={entropy} {reduce:?} seed={seed}");
+    // Unsharded reference run on the GPU.
+    let head = LmHead::new(0).unwrap();
+    let stream = head.gpu().context().default_stream();
+    let whole = run_rank(&head, &stream, &case, (0, v), None, entropy, reduce, (&gl, &gl_or(&ge, entropy)));
+    // Every shard holds some label (so every rank's label path is exercised).
+    let shards: Vec<(usize, usize)> = (0..n).map(|r| Shard::even(r, n, v)).map(|(s, len)| (s.v_begin, s.v_begin + len)).collect();
+    for &(a, b) in &shards {
+        assert!(case.labels.iter().any(|&l| l >= a as i64 && l < b as i64), "no label in shard [{a}, {b}) [{desc}]");
+    }
+    // One thread per rank, each with its own LmHead and stream.
+    let comms = LocalComm::group(n);
+    let ranks: Vec<Outs> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .zip(&shards)
+            .map(|(comm, &range)| {
+                let (case, gl, ge) = (&case, &gl, &ge);
+                s.spawn(move || {
+                    let head = LmHead::new(0).unwrap();
+                    let stream = head.gpu().context().new_stream().unwrap();
+                    run_rank(&head, &stream, case, range, Some(comm as &dyn Communicator), entropy, reduce, (gl, &gl_or(ge, entropy)))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let tol = |_: usize, _: f64| 2e-5;
+    for (r, o) in ranks.iter().enumerate() {
+        let what = format!("{desc} rank {r}");
+        check("logprob", &what, &o.lp, &whole.lp, &tol);
+        check("lse", &what, &o.lse, &whole.lse, &tol);
+        if entropy {
+            check("entropy", &what, o.ent.as_ref().unwrap(), whole.ent.as_ref().unwrap(), &tol);
+        } else {
+            assert!(o.ent.is_none());
+        }
+        let (a, b) = shards[r];
+        check_rel_l2("dW shard", &what, &o.dw, &whole.dw[a * case.d..b * case.d], 1e-5);
+        if reduce == ReduceDh::AllReduce {
+            check_rel_l2("dh (all-reduced)", &what, &o.dh, &whole.dh, 1e-4);
+        }
+    }
+    if reduce == ReduceDh::Caller {
+        let mut sum = vec![0.0f64; t * case.d];
+        for o in &ranks {
+            for (s, x) in sum.iter_mut().zip(&o.dh) {
+                *s += x;
+            }
+        }
+        check_rel_l2("dh (sum of partials)", &desc, &sum, &whole.dh, 1e-4);
+    }
+    // And the unsharded forward against the f64 reference, as a sanity anchor.
+    let r = forward(&case.inputs());
+    check("logprob vs f64", &desc, &whole.lp, &r.logprob, &|_, _| 2e-4);
+    format!("tp n={n} v={v} entropy={entropy} {reduce:?}: OK ({} ranks agree with the unsharded run)", ranks.len())
+}
+
+/// The entropy gradient is only passed when entropy is computed.
+fn gl_or(ge: &[f32], entropy: bool) -> Vec<f32> {
+    if entropy {
+        ge.to_vec()
+    } else {
+        vec![0.0; ge.len()]
+    }
+}
+
+#[test]
+fn in_process_tp_matches_unsharded() {
+    let test = "tp::in_process_tp_matches_unsharded";
+    if gpu_or_skip(test).is_none() {
+        return;
+    }
+    let seed = run_seed(test);
+    for (i, &(n, v, entropy, reduce)) in [
+        (1, 1000, true, ReduceDh::AllReduce),
+        (2, 1000, true, ReduceDh::AllReduce),
+        (4, 1003, true, ReduceDh::Caller),
+        (8, 4099, true, ReduceDh::AllReduce),
+        // The log-prob-only TP path has its own specialisation and its own coverage.
+        (2, 1001, false, ReduceDh::AllReduce),
+        (8, 2053, false, ReduceDh::Caller),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let line = tp_case(test, n, v, entropy, reduce, lmhead_tests::case_seed(seed, i));
+        println!("[{test}] {line}");
+    }
+}
+
+#[test]
+fn nccl_single_rank_matches_unsharded() {
+    let test = "tp::nccl_single_rank_matches_unsharded";
+    let Some((head, stream)) = gpu_or_skip(test) else { return };
+    if !lmhead::tp::NcclComm::available() {
+        println!("SKIP {test}: libnccl is not on the library path");
+        return;
+    }
+    let seed = run_seed(test);
+    let comm = lmhead::tp::NcclComm::from_streams(vec![stream.clone()]).unwrap().pop().unwrap();
+    let case = Case::generate(seed, 129, 777, 64, &Structure { huge: 0.0, all_negative: 0.0, ..Default::default() });
+    let zeros = vec![0.0f32; case.t];
+    let ones = vec![1.0f32; case.t];
+    let whole = run_rank(&head, &stream, &case, (0, case.v), None, true, ReduceDh::AllReduce, (&ones, &zeros));
+    let tp = run_rank(&head, &stream, &case, (0, case.v), Some(&comm), true, ReduceDh::AllReduce, (&ones, &zeros));
+    let tol = |_: usize, _: f64| 2e-5;
+    check("logprob", test, &tp.lp, &whole.lp, &tol);
+    check("entropy", test, tp.ent.as_ref().unwrap(), whole.ent.as_ref().unwrap(), &tol);
+    check_rel_l2("dh", test, &tp.dh, &whole.dh, 1e-5);
+    check_rel_l2("dW", test, &tp.dw, &whole.dw, 1e-5);
+    println!("[{test}] tp nccl single rank: OK");
+}
