@@ -44,8 +44,10 @@ for s in "${steps[@]}"; do
         timeout 600 compute-sanitizer --tool "$tool" --error-exitcode 7 "$B/gpu_reliability" --test-threads=1 --nocapture sanitizer_ 2>&1 | tail -n 15 | tee "$OUT/sanitize-$tool.log"
       done ;;
     sass)
+      # A cubin assembled here by `cargo xtask build-ptx` (target/kernels/lmhead_kernels.cubin),
+      # copied into .gpu/: per wgmma kernel, the count of HGMMA and of local-memory accesses.
       f=$(ls "$B"/*.cubin 2>/dev/null | head -1)
-      [ -n "$f" ] && cuobjdump --dump-sass "$f" > "$OUT/sass.txt" && grep -c HGMMA "$OUT/sass.txt" ;;
+      [ -n "$f" ] && cuobjdump --dump-sass "$f" > "$OUT/sass.txt" && awk '/Function :/{f=$3} /HGMMA/{h[f]++} /LDL|STL/{l[f]++} END{for(k in h) print k, "HGMMA", h[k], "LDL/STL", l[k]+0}' "$OUT/sass.txt" | sort ;;
     *) echo "unknown step $s" ;;
   esac
   echo "-- $s took $(( $(date +%s) - t0 )) s"

@@ -12,7 +12,11 @@ fn main() {
             let name = kernel_name(family, c);
             let (mi, ni) = (c.warp_m() / 16, c.warp_n() / 8);
             let generics = format!("{}, {}, {}, {}, {}, {}, {mi}, {ni}", c.bm, c.bn, c.bk, c.stages, c.warps_m, c.warps_n);
+            let wg = format!("{}, {}, {}, {}, {}", c.bm, c.bn, c.stages, c.warps_m / 4, c.bn / 128);
             let (params, call) = match family {
+                Family::Fwd if c.wgmma => ("LogitsParams", format!("hopper::fwd_wg::<{wg}, false>")),
+                Family::FwdEnt if c.wgmma => ("LogitsParams", format!("hopper::fwd_wg::<{wg}, true>")),
+                _ if c.wgmma => panic!("{family:?} has no wgmma kernel yet"),
                 Family::Fwd => ("LogitsParams", format!("fwd::fwd::<{generics}, false>")),
                 Family::FwdEnt => ("LogitsParams", format!("fwd::fwd::<{generics}, true>")),
                 Family::BwdDlogits => ("LogitsParams", format!("bwd::dlogits::<{generics}, false>")),

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::CUdevice_attribute as A;
 use cudarc::driver::sys::CUfunction_attribute as F;
-use cudarc::driver::{CudaContext, CudaFunction};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::Ptx;
 
 use crate::error::{Context as _, Error, Result};
@@ -42,6 +42,10 @@ pub struct Gpu {
     ctx: Arc<CudaContext>,
     info: DeviceInfo,
     functions: Mutex<HashMap<String, CudaFunction>>,
+    /// The embedded cubin, loaded on first use (`None` inside: not embedded or failed to load,
+    /// with the reason in `cubin_note`).
+    cubin: Mutex<Option<Option<Arc<CudaModule>>>>,
+    cubin_note: Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -78,6 +82,8 @@ impl Gpu {
             ctx,
             info: DeviceInfo { name, cc, sm_count, max_smem_optin, driver_version },
             functions: Mutex::new(HashMap::new()),
+            cubin: Mutex::new(None),
+            cubin_note: Mutex::new(None),
         }))
     }
 
@@ -89,23 +95,72 @@ impl Gpu {
         &self.info
     }
 
-    /// The kernel `name`, JIT-compiled from its own small PTX module on first use, with its
-    /// dynamic shared-memory limit raised to `smem` bytes.
+    /// The embedded cubin module (loaded once), if there is one and the driver accepts it.
+    fn cubin_module(&self) -> Option<Arc<CudaModule>> {
+        let mut slot = self.cubin.lock().unwrap();
+        if let Some(m) = slot.as_ref() {
+            return m.clone();
+        }
+        let m = if crate::ptx::CUBIN.is_empty() {
+            *self.cubin_note.lock().unwrap() = Some("no cubin embedded (built without ptxas): kernels are JIT-compiled".into());
+            None
+        } else if std::env::var("LMHEAD_FORCE_JIT").is_ok_and(|v| v == "1") {
+            *self.cubin_note.lock().unwrap() = Some("LMHEAD_FORCE_JIT=1: kernels are JIT-compiled from PTX".into());
+            None
+        } else {
+            match self.ctx.load_module(Ptx::from_binary(crate::ptx::CUBIN.to_vec())) {
+                Ok(m) => Some(m),
+                Err(e) => {
+                    let note = format!("the embedded cubin did not load ({e}); kernels are JIT-compiled from PTX");
+                    eprintln!("lmhead: warning: {note}");
+                    *self.cubin_note.lock().unwrap() = Some(note);
+                    None
+                }
+            }
+        };
+        *slot = Some(m.clone());
+        m
+    }
+
+    /// How kernels are loaded: from the embedded cubin, or why they are JIT-compiled.
+    pub fn loader(&self) -> String {
+        match self.cubin_module() {
+            Some(_) => "cubin (sm_90a, assembled at build time)".into(),
+            None => self.cubin_note.lock().unwrap().clone().unwrap_or_default(),
+        }
+    }
+
+    /// The kernel `name` with its dynamic shared-memory limit raised to `smem` bytes: from the
+    /// embedded cubin when there is one, else JIT-compiled from its own small PTX module on first
+    /// use (a JIT failure reports the driver's error log).
     pub fn function(&self, name: &str, smem: u32) -> Result<CudaFunction> {
-        let mut fns = self.functions.lock().unwrap();
-        if let Some(f) = fns.get(name) {
+        if let Some(f) = self.functions.lock().unwrap().get(name) {
             return Ok(f.clone());
         }
-        let src =
-            crate::ptx::entry_modules().get(name).ok_or_else(|| Error::Config(format!("kernel `{name}` is not in the embedded PTX")))?;
         if smem > self.info.max_smem_optin {
             return Err(Error::Config(format!(
                 "`{name}` needs {smem} bytes of shared memory, the device allows {}",
                 self.info.max_smem_optin
             )));
         }
-        let module = self.ctx.load_module(Ptx::from_src(src.clone())).during(|| format!("loading (JIT) kernel `{name}`"))?;
-        let f = module.load_function(name).during(|| format!("finding kernel `{name}`"))?;
+        let cubin = self.cubin_module();
+        let mut fns = self.functions.lock().unwrap();
+        if let Some(f) = fns.get(name) {
+            return Ok(f.clone());
+        }
+        let f = match cubin {
+            Some(m) => m.load_function(name).during(|| format!("finding kernel `{name}` in the embedded cubin"))?,
+            None => {
+                let src = crate::ptx::entry_modules()
+                    .get(name)
+                    .ok_or_else(|| Error::Config(format!("kernel `{name}` is not in the embedded PTX")))?;
+                let module = match self.ctx.load_module(Ptx::from_src(src.clone())) {
+                    Ok(m) => m,
+                    Err(e) => return Err(Error::Config(format!("JIT of kernel `{name}` failed ({e}): {}", jit_error_log(src)))),
+                };
+                module.load_function(name).during(|| format!("finding kernel `{name}`"))?
+            }
+        };
         f.set_attribute(F::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
             .during(|| format!("raising the shared-memory limit of `{name}` to {smem}"))?;
         fns.insert(name.to_string(), f.clone());
@@ -124,4 +179,26 @@ impl Gpu {
         v.sort();
         v
     }
+}
+
+/// The driver JIT's error log for `ptx` (loads it once more with a log buffer; the module is
+/// unloaded if it unexpectedly succeeds).
+fn jit_error_log(ptx: &str) -> String {
+    use cudarc::driver::sys;
+    let Ok(src) = std::ffi::CString::new(ptx) else { return "PTX contains a NUL byte".into() };
+    let mut log = vec![0u8; 16 * 1024];
+    let mut opts = [sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER, sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES];
+    let mut vals = [log.as_mut_ptr() as *mut std::ffi::c_void, log.len() as *mut std::ffi::c_void];
+    let mut module: sys::CUmodule = std::ptr::null_mut();
+    // SAFETY: `src` is a NUL-terminated PTX image; the option arrays have 2 entries each, the log
+    // buffer has the length passed in its size option, and both outlive the call; the current
+    // context was bound by the failed load just before.
+    let r = unsafe { sys::cuModuleLoadDataEx(&mut module, src.as_ptr() as *const _, 2, opts.as_mut_ptr(), vals.as_mut_ptr()) };
+    if r == sys::CUresult::CUDA_SUCCESS {
+        // SAFETY: `module` was just loaded by this function and is used nowhere else.
+        unsafe { sys::cuModuleUnload(module) };
+        return "(the second load succeeded)".into();
+    }
+    let end = log.iter().position(|&b| b == 0).unwrap_or(log.len());
+    String::from_utf8_lossy(&log[..end]).trim().to_string()
 }

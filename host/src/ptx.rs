@@ -7,6 +7,10 @@ use std::sync::OnceLock;
 /// The whole PTX module, as built.
 pub const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
 
+/// The same module assembled for sm_90a by ptxas at build time (empty when ptxas was not
+/// available; the kernels are then JIT-compiled from [`PTX`]).
+pub const CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kernels.cubin"));
+
 /// A short hash of the PTX (part of the tuning-cache key: new kernels invalidate old timings).
 pub fn ptx_hash() -> String {
     use sha2::{Digest, Sha256};

@@ -124,6 +124,28 @@ pub unsafe fn fwd<
     unsafe { mainloop::pipeline::<ST, Acc<MI, NI>>(ring, stage_bytes, n_tiles, kt, &mut acc, load, compute, finish) };
 
     // ---- Epilogue: reduce the row states of the block and write the partials ---------------
+    // SAFETY: all threads reach this with the ring drained (the pipeline ends behind a barrier).
+    unsafe { store_partials::<BM, WN, MI, ENT>(p, &w, &mut st, &mut z_label, m0, split, ring) };
+}
+
+/// The block's final reduction: merge the row states of the four lanes that share a row (quad
+/// shuffles), then of the `WN` warps along N (through shared memory), and write one partial per
+/// row of this block and split.
+///
+/// # Safety
+/// Called by every thread of the block once (it has a barrier), after the last use of the ring:
+/// `smem` must have `WN · BM · 16` bytes that no one else reads or writes any more.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn store_partials<const BM: usize, const WN: usize, const MI: usize, const ENT: bool>(
+    p: &LogitsParams,
+    w: &WarpPos,
+    st: &mut [[Lse2<f32>; 2]; MI],
+    z_label: &mut [[f32; 2]; MI],
+    m0: u32,
+    split: u32,
+    smem: u32,
+) {
     // Quad reduction: lanes 4g..4g+3 hold the same rows.
     unroll!(MI, |mi| {
         unroll!(2, |h| {
@@ -149,7 +171,7 @@ pub unsafe fn fwd<
     });
     // Across the WN warps along N, through shared memory (the ring is free: the pipeline
     // drained it behind a barrier).
-    let red = ring;
+    let red = smem;
     if w.lane & 3 == 0 {
         unroll!(MI, |mi| {
             unroll!(2, |h| {
@@ -189,7 +211,7 @@ pub unsafe fn fwd<
 /// `s += 2^{y − m}` (and `t += 2^{u} u`) per column. Columns past `v` are padding: `acc = −∞`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn fold_tile<const BN: usize, const MI: usize, const NI: usize, const ENT: bool>(
+pub(crate) fn fold_tile<const BN: usize, const MI: usize, const NI: usize, const ENT: bool>(
     p: &LogitsParams,
     w: &WarpPos,
     n0: u32,
@@ -201,7 +223,9 @@ fn fold_tile<const BN: usize, const MI: usize, const NI: usize, const ENT: bool>
     let scale2 = p.scale2;
     // n0 < v < 2^31 and BN ≤ 256: no overflow.
     if n0 + BN as u32 > p.v {
-        let lim = p.v - n0;
+        // Columns from `lim` on are past the vocab (all of them when n0 ≥ v: the second
+        // 128-column block of a last 256-wide wgmma tile).
+        let lim = p.v.saturating_sub(n0);
         unroll!(MI, |mi| {
             unroll!(NI, |ni| {
                 unroll!(4, |e| {

@@ -325,6 +325,140 @@ pub unsafe fn atomic_or(p: *mut u32, v: u32) {
     unsafe { asm!("red.global.or.b32 [{p}], {v};", p = in(reg64) p, v = in(reg32) v, options(nostack)) };
 }
 
+/// `wgmma.fence.sync.aligned`: orders register accesses before the following `wgmma`s.
+///
+/// # Safety
+/// Executed by all threads of the warpgroup together.
+#[inline(always)]
+pub unsafe fn wgmma_fence() {
+    // SAFETY: the caller guarantees warpgroup convergence.
+    unsafe { asm!("wgmma.fence.sync.aligned;", options(nostack)) };
+}
+
+/// `wgmma.commit_group.sync.aligned`: closes the group of `wgmma`s issued so far.
+///
+/// # Safety
+/// Executed by all threads of the warpgroup together.
+#[inline(always)]
+pub unsafe fn wgmma_commit() {
+    // SAFETY: the caller guarantees warpgroup convergence.
+    unsafe { asm!("wgmma.commit_group.sync.aligned;", options(nostack)) };
+}
+
+/// `wgmma.wait_group.sync.aligned N`: waits until at most `N` groups are pending; their
+/// accumulators may then be read and their shared-memory operands overwritten.
+///
+/// # Safety
+/// Executed by all threads of the warpgroup together.
+#[inline(always)]
+pub unsafe fn wgmma_wait<const N: usize>() {
+    // SAFETY: the caller guarantees warpgroup convergence.
+    unsafe { asm!("wgmma.wait_group.sync.aligned {n};", n = const N, options(nostack)) };
+}
+
+/// `fence.proxy.async.shared::cta`: makes this thread's generic-proxy shared-memory writes
+/// (including landed `cp.async` copies) visible to the async proxy (`wgmma` operand reads).
+#[inline(always)]
+pub fn fence_proxy_async_shared() {
+    // SAFETY: a fence has no preconditions.
+    unsafe { asm!("fence.proxy.async.shared::cta;", options(nostack)) };
+}
+
+/// `wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16`: `c (+)= A · B` for the warpgroup's
+/// 64 × 128 tile, A and B K-major in shared memory (descriptors, see
+/// `lmhead_core::wgmma`). `accumulate = false` ignores `c`'s old value. Thread `t` of the
+/// warpgroup holds rows `16·(t/32) + (t%32)/4 (+8)` and columns `64h + 8j + 2·(t%4) (+1)` as
+/// `c[h][j] = [r, r+1 column; r+8, r+8 +1 column]`, like `mma.sync`'s m16n8 fragments (two
+/// halves of 64 columns, so that the epilogue's loops stay at 8 n8 tiles).
+///
+/// # Safety
+/// Executed by all 128 threads of a warpgroup together, between `wgmma_fence` and
+/// `wgmma_commit`; both descriptors must address loaded, 1024-byte-aligned 128B-swizzled tiles
+/// (64 rows for A, 128 for B) that nothing writes until a `wgmma_wait` covers this group; `c`
+/// must not be read before that wait.
+#[inline(always)]
+pub unsafe fn wgmma_m64n128k16_bf16(c: &mut [[[f32; 4]; 8]; 2], a_desc: u64, b_desc: u64, accumulate: bool) {
+    let scale_d: u32 = accumulate as u32;
+    // SAFETY: the caller guarantees convergence, operand validity and the wait before reuse.
+    unsafe {
+        asm!(
+            "{{",
+            ".reg .pred p;",
+            "setp.ne.b32 p, {sd}, 0;",
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}}}, {a}, {b}, p, 1, 1, 0, 0;",
+            "}}",
+            d0 = inout(reg32) c[0][0][0],
+            d1 = inout(reg32) c[0][0][1],
+            d2 = inout(reg32) c[0][0][2],
+            d3 = inout(reg32) c[0][0][3],
+            d4 = inout(reg32) c[0][1][0],
+            d5 = inout(reg32) c[0][1][1],
+            d6 = inout(reg32) c[0][1][2],
+            d7 = inout(reg32) c[0][1][3],
+            d8 = inout(reg32) c[0][2][0],
+            d9 = inout(reg32) c[0][2][1],
+            d10 = inout(reg32) c[0][2][2],
+            d11 = inout(reg32) c[0][2][3],
+            d12 = inout(reg32) c[0][3][0],
+            d13 = inout(reg32) c[0][3][1],
+            d14 = inout(reg32) c[0][3][2],
+            d15 = inout(reg32) c[0][3][3],
+            d16 = inout(reg32) c[0][4][0],
+            d17 = inout(reg32) c[0][4][1],
+            d18 = inout(reg32) c[0][4][2],
+            d19 = inout(reg32) c[0][4][3],
+            d20 = inout(reg32) c[0][5][0],
+            d21 = inout(reg32) c[0][5][1],
+            d22 = inout(reg32) c[0][5][2],
+            d23 = inout(reg32) c[0][5][3],
+            d24 = inout(reg32) c[0][6][0],
+            d25 = inout(reg32) c[0][6][1],
+            d26 = inout(reg32) c[0][6][2],
+            d27 = inout(reg32) c[0][6][3],
+            d28 = inout(reg32) c[0][7][0],
+            d29 = inout(reg32) c[0][7][1],
+            d30 = inout(reg32) c[0][7][2],
+            d31 = inout(reg32) c[0][7][3],
+            d32 = inout(reg32) c[1][0][0],
+            d33 = inout(reg32) c[1][0][1],
+            d34 = inout(reg32) c[1][0][2],
+            d35 = inout(reg32) c[1][0][3],
+            d36 = inout(reg32) c[1][1][0],
+            d37 = inout(reg32) c[1][1][1],
+            d38 = inout(reg32) c[1][1][2],
+            d39 = inout(reg32) c[1][1][3],
+            d40 = inout(reg32) c[1][2][0],
+            d41 = inout(reg32) c[1][2][1],
+            d42 = inout(reg32) c[1][2][2],
+            d43 = inout(reg32) c[1][2][3],
+            d44 = inout(reg32) c[1][3][0],
+            d45 = inout(reg32) c[1][3][1],
+            d46 = inout(reg32) c[1][3][2],
+            d47 = inout(reg32) c[1][3][3],
+            d48 = inout(reg32) c[1][4][0],
+            d49 = inout(reg32) c[1][4][1],
+            d50 = inout(reg32) c[1][4][2],
+            d51 = inout(reg32) c[1][4][3],
+            d52 = inout(reg32) c[1][5][0],
+            d53 = inout(reg32) c[1][5][1],
+            d54 = inout(reg32) c[1][5][2],
+            d55 = inout(reg32) c[1][5][3],
+            d56 = inout(reg32) c[1][6][0],
+            d57 = inout(reg32) c[1][6][1],
+            d58 = inout(reg32) c[1][6][2],
+            d59 = inout(reg32) c[1][6][3],
+            d60 = inout(reg32) c[1][7][0],
+            d61 = inout(reg32) c[1][7][1],
+            d62 = inout(reg32) c[1][7][2],
+            d63 = inout(reg32) c[1][7][3],
+            a = in(reg64) a_desc,
+            b = in(reg64) b_desc,
+            sd = in(reg32) scale_d,
+            options(nostack)
+        )
+    };
+}
+
 /// `trap`: aborts the kernel (used by the panic handler; a panic in a kernel is a bug).
 #[inline(always)]
 pub fn trap() -> ! {

@@ -13,7 +13,10 @@
 
 /// `unroll!(n, |i| { body })` runs `body` for `i = 0, 1, …, n − 1` as straight-line code with a
 /// literal `i`, so register arrays are only ever indexed by constants (a run-time index would
-/// move them to local memory). `n` must fold to a constant ≤ 8 after monomorphisation.
+/// move them to local memory). `n` must fold to a constant ≤ 8 after monomorphisation (a
+/// larger `n` traps, and the kernel's register count in the ptxas report collapses). The bound
+/// is deliberate: nested expansions multiply (8⁴ bodies for the MMA loop nest), and 16 ran the
+/// compiler out of memory.
 macro_rules! unroll {
     ($n:expr, |$i:ident| $body:block) => {{
         let n: usize = $n;
@@ -29,6 +32,7 @@ macro_rules! unroll {
 
 pub mod bwd;
 pub mod fwd;
+pub mod hopper;
 pub mod intrinsics;
 pub mod level_00;
 pub mod mainloop;

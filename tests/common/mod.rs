@@ -39,7 +39,7 @@ pub fn gpu_or_skip(test: &str) -> Option<(LmHead, Arc<CudaStream>)> {
     match LmHead::new(0) {
         Ok(head) => {
             let stream = head.gpu().context().default_stream();
-            println!("[{test}] device: {:?}", head.gpu().info());
+            println!("[{test}] device: {:?}; kernels: {}", head.gpu().info(), head.gpu().loader());
             Some((head, stream))
         }
         Err(e) => {

@@ -46,7 +46,8 @@ impl Family {
     /// The candidates compiled for this family, known-good first; index 0 is the fallback.
     pub const fn candidates(self) -> &'static [TileConfig] {
         match self {
-            Family::Fwd | Family::FwdEnt | Family::BwdDlogits | Family::BwdDlogitsEnt => LOGITS_CANDIDATES,
+            Family::Fwd | Family::FwdEnt => FWD_CANDIDATES,
+            Family::BwdDlogits | Family::BwdDlogitsEnt => LOGITS_CANDIDATES,
             Family::BwdDh | Family::BwdDw => GEMM_CANDIDATES,
         }
     }
@@ -73,13 +74,39 @@ pub struct TileConfig {
     pub warps_m: u8,
     /// Warps along N.
     pub warps_n: u8,
+    /// The Hopper mainloop (`wgmma` from shared-memory descriptors, warpgroups of 4 warps along
+    /// M, 64 rows each) instead of `ldmatrix` + `mma.sync`.
+    #[cfg_attr(feature = "std", serde(default))]
+    pub wgmma: bool,
 }
 
 const fn tc(bm: u16, bn: u16, bk: u16, stages: u8, warps_m: u8, warps_n: u8) -> TileConfig {
-    TileConfig { bm, bn, bk, stages, warps_m, warps_n }
+    TileConfig { bm, bn, bk, stages, warps_m, warps_n, wgmma: false }
 }
 
-/// Candidates of the logits mainloop (forward and backward d-logits).
+/// A `wgmma` config: `wgs` warpgroups along M (64 rows each), `bn` columns (128 or 256),
+/// 64-deep stages with the 128-byte swizzle.
+const fn wg(wgs: u8, bn: u16, stages: u8) -> TileConfig {
+    TileConfig { bm: 64 * wgs as u16, bn, bk: 64, stages, warps_m: 4 * wgs, warps_n: 1, wgmma: true }
+}
+
+/// Candidates of the forward: the `mma.sync` mainloop's and the Hopper `wgmma` mainloop's.
+pub const FWD_CANDIDATES: &[TileConfig] = &[
+    tc(128, 128, 32, 4, 2, 4),
+    tc(128, 128, 64, 3, 2, 4),
+    tc(128, 256, 32, 3, 2, 4),
+    tc(256, 128, 32, 3, 4, 2),
+    tc(64, 128, 64, 3, 2, 2),
+    tc(128, 64, 64, 3, 2, 2),
+    tc(64, 64, 64, 4, 2, 2),
+    wg(2, 128, 4),
+    wg(2, 128, 3),
+    wg(2, 256, 4),
+    wg(2, 256, 3),
+    wg(4, 128, 4),
+];
+
+/// Candidates of the backward d-logits mainloop.
 pub const LOGITS_CANDIDATES: &[TileConfig] = &[
     tc(128, 128, 32, 4, 2, 4),
     tc(128, 128, 64, 3, 2, 4),
@@ -149,6 +176,18 @@ impl TileConfig {
     /// device asserts the same rules at compile time; this lets the host and the tests check the
     /// tables without building PTX.
     pub const fn is_well_formed(self) -> bool {
+        if self.wgmma {
+            return self.bk == 64
+                && self.warps_n == 1
+                && self.warps_m.is_multiple_of(4)
+                && self.warps_m > 0
+                && self.bm as usize == 16 * self.warps_m as usize
+                && (self.bn == 128 || self.bn == 256)
+                && self.stages >= 3
+                && (self.bm as usize * 8).is_multiple_of(self.threads() as usize)
+                && (self.bn as usize * 8).is_multiple_of(self.threads() as usize)
+                && self.smem_bytes() <= MAX_SMEM_PER_BLOCK;
+        }
         let (wm, wn) = (self.warp_m(), self.warp_n());
         self.warps_m > 0
             && self.warps_n > 0
@@ -173,7 +212,8 @@ impl TileConfig {
     #[cfg(feature = "std")]
     pub fn suffix(self, family: Family) -> std::string::String {
         let (m, n, k) = if family.lm_dims() { ("t", "v", "d") } else { ("m", "n", "k") };
-        std::format!("{m}{}_{n}{}_{k}{}_s{}_w{}x{}", self.bm, self.bn, self.bk, self.stages, self.warps_m, self.warps_n)
+        let wg = if self.wgmma { "_wg" } else { "" };
+        std::format!("{m}{}_{n}{}_{k}{}_s{}_w{}x{}{wg}", self.bm, self.bn, self.bk, self.stages, self.warps_m, self.warps_n)
     }
 }
 
@@ -228,6 +268,7 @@ mod tests {
     fn names_encode_the_config() {
         assert_eq!(kernel_name(Family::FwdEnt, tc(128, 128, 32, 4, 2, 4)), "lm_head_fwd_ent_t128_v128_d32_s4_w2x4");
         assert_eq!(kernel_name(Family::BwdDw, tc(64, 64, 64, 4, 2, 2)), "lm_head_bwd_dw_m64_n64_k64_s4_w2x2");
+        assert_eq!(kernel_name(Family::Fwd, wg(2, 256, 4)), "lm_head_fwd_t128_v256_d64_s4_w8x1_wg");
     }
 
     #[test]
@@ -236,5 +277,8 @@ mod tests {
         assert!(!tc(128, 128, 32, 1, 2, 4).is_well_formed());
         assert!(!tc(48, 128, 32, 3, 1, 4).is_well_formed());
         assert!(!tc(256, 256, 64, 4, 2, 4).is_well_formed(), "ring too large for shared memory");
+        assert!(!wg(2, 192, 4).is_well_formed());
+        assert!(!wg(4, 256, 4).is_well_formed(), "ring too large for shared memory");
+        assert!(!TileConfig { stages: 2, ..wg(2, 128, 4) }.is_well_formed(), "wgmma needs ≥ 3 stages");
     }
 }

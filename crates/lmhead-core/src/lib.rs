@@ -17,6 +17,7 @@ pub mod lse;
 pub mod params;
 pub mod problem;
 pub mod split;
+pub mod wgmma;
 
 pub use bucket::TokenBucket;
 pub use config::{Family, TileConfig};
