@@ -16,7 +16,9 @@ fn main() {
             let (params, call) = match family {
                 Family::Fwd if c.wgmma => ("LogitsParams", format!("hopper::fwd_wg::<{wg}, false>")),
                 Family::FwdEnt if c.wgmma => ("LogitsParams", format!("hopper::fwd_wg::<{wg}, true>")),
-                _ if c.wgmma => panic!("{family:?} has no wgmma kernel yet"),
+                Family::BwdDlogits if c.wgmma => ("LogitsParams", format!("hopper::dlogits_wg::<{wg}, false>")),
+                Family::BwdDlogitsEnt if c.wgmma => ("LogitsParams", format!("hopper::dlogits_wg::<{wg}, true>")),
+                Family::BwdDh | Family::BwdDw if c.wgmma => ("GemmParams", format!("hopper::gemm_wg::<{wg}>")),
                 Family::Fwd => ("LogitsParams", format!("fwd::fwd::<{generics}, false>")),
                 Family::FwdEnt => ("LogitsParams", format!("fwd::fwd::<{generics}, true>")),
                 Family::BwdDlogits => ("LogitsParams", format!("bwd::dlogits::<{generics}, false>")),

@@ -437,3 +437,79 @@ fn sanitizer_every_kernel_at_tail_shapes() {
     stream.synchronize().unwrap();
     println!("[gpu_reliability::sanitizer] every kernel ran at its tail shapes");
 }
+
+/// Tuning (through the warm-up API) runs on the library's own scratch buffers: the caller's
+/// poisoned outputs stay poisoned and its inputs keep their bytes; later calls reuse the cached
+/// winners; and the tuned configs give the fallback's answer within tolerance.
+#[test]
+fn tuning_never_touches_caller_buffers_and_agrees_with_fallback() {
+    let test = "gpu_reliability::tuning";
+    let Some((plain, stream)) = gpu_or_skip(test) else { return };
+    let tuner = lmhead::Tuner::new(true, Some(plain.gpu().info().clone()), lmhead::tune::cache::Cache::open(None, "tuning-test"));
+    let head = LmHead::with_tuner(plain.gpu().clone(), tuner);
+    let (t, v, d) = (1000, 5003, 512);
+    let s = setup(&stream, t, v, d, run_seed(test));
+    let before = (stream.clone_dtoh(&s.h).unwrap(), stream.clone_dtoh(&s.w).unwrap(), stream.clone_dtoh(&s.labels).unwrap());
+    let mut lp: CudaSlice<f32> = stream.alloc_zeros(t).unwrap();
+    let mut lse: CudaSlice<f32> = stream.alloc_zeros(t).unwrap();
+    let mut ent: CudaSlice<f32> = stream.alloc_zeros(t).unwrap();
+    for b in [&mut lp, &mut lse, &mut ent] {
+        poison(&stream, b).unwrap();
+    }
+    head.warm_up(&[t], v, d, true, true).unwrap();
+    stream.synchronize().unwrap();
+    for (name, b) in [("logprob", &lp), ("lse", &lse), ("entropy", &ent)] {
+        assert!(untouched(&download_f32(&stream, b).unwrap()), "tuning wrote the caller's {name}");
+    }
+    let after = (stream.clone_dtoh(&s.h).unwrap(), stream.clone_dtoh(&s.w).unwrap(), stream.clone_dtoh(&s.labels).unwrap());
+    assert!(before.0.iter().zip(&after.0).all(|(a, b)| a.to_bits() == b.to_bits()), "h changed");
+    assert!(before.1.iter().zip(&after.1).all(|(a, b)| a.to_bits() == b.to_bits()), "W changed");
+    assert_eq!(before.2, after.2, "labels changed");
+    let tuned = head.tuner().entries().len();
+    assert!(tuned >= 4, "warm-up tuned the forward and the three backward kernels ({tuned} entries)");
+    // The tuned call: no retuning, and the fallback's answer.
+    let p = Problem::new(t, v, d);
+    let x = FwdInputs { h: &s.h, w: &s.w, labels: &s.labels, problem: p };
+    let r =
+        head.forward(&stream, &x, &FwdOptions::default(), FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) }).unwrap();
+    assert_eq!(head.tuner().entries().len(), tuned, "a call in a warmed-up bucket must not retune");
+    let (mut lp2, mut lse2, mut ent2): (CudaSlice<f32>, CudaSlice<f32>, CudaSlice<f32>) =
+        (stream.alloc_zeros(t).unwrap(), stream.alloc_zeros(t).unwrap(), stream.alloc_zeros(t).unwrap());
+    let fb = FwdOptions { config: Choice::Fallback, ..Default::default() };
+    head.forward(&stream, &x, &fb, FwdOutputs { logprob: &mut lp2, lse: &mut lse2, entropy: Some(&mut ent2) }).unwrap();
+    let (a, b) = (download_f32(&stream, &lp).unwrap(), download_f32(&stream, &lp2).unwrap());
+    let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f64, f64::max);
+    assert!(worst < 1e-4, "tuned {:?} vs fallback log-probs differ by {worst}", r.config);
+    let (a, b) = (download_f32(&stream, &ent).unwrap(), download_f32(&stream, &ent2).unwrap());
+    let worst_ent = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f64, f64::max);
+    assert!(worst_ent < 1e-4, "tuned vs fallback entropy differ by {worst_ent}");
+    // Backward: tuned vs fallback.
+    let g = upload(&stream, &vec![1.0f32; t]).unwrap();
+    let run = |cfg: BwdConfigs| {
+        let mut dh: CudaSlice<f32> = stream.alloc_zeros(t * d).unwrap();
+        let mut dw: CudaSlice<f32> = stream.alloc_zeros(v * d).unwrap();
+        let bx = BwdInputs {
+            h: &s.h,
+            w: &s.w,
+            labels: &s.labels,
+            lse: &lse,
+            entropy: Some(&ent),
+            grad_logprob: Some(&g),
+            grad_entropy: Some(&g),
+            problem: p,
+        };
+        let rep = head
+            .backward(&stream, &bx, &BwdOptions { config: cfg, ..Default::default() }, GradOut::F32(&mut dh), GradOut::F32(&mut dw))
+            .unwrap();
+        (download_f32(&stream, &dh).unwrap(), download_f32(&stream, &dw).unwrap(), rep)
+    };
+    let (dh_t, dw_t, rep) = run(BwdConfigs::all(Choice::Auto));
+    assert_eq!(head.tuner().entries().len(), tuned, "the backward in a warmed-up bucket must not retune");
+    let (dh_f, dw_f, _) = run(BwdConfigs::all(Choice::Fallback));
+    check_rel_l2("dh tuned vs fallback", test, &dh_t, &dh_f, 3e-3);
+    check_rel_l2("dW tuned vs fallback", test, &dw_t, &dw_f, 3e-3);
+    println!(
+        "[{test}] rel tuned configs fwd {:?} bwd {:?}/{:?}/{:?}: |Δ logprob| ≤ {worst:.1e}, |Δ entropy| ≤ {worst_ent:.1e} vs fallback; caller buffers untouched by tuning",
+        r.config, rep.dlogits, rep.dh, rep.dw
+    );
+}

@@ -89,10 +89,15 @@ impl Suite {
     }
 
     /// The suite's unique rank-local shapes (logical cases that map to the same local
-    /// `(t, v, d)` are measured once).
+    /// `(t, v, d)` are measured once). The sweep runs cheapest first, so that a time budget
+    /// covers as many shapes as it can.
     pub fn cases(&self) -> Vec<Case> {
         let mut seen = std::collections::HashSet::new();
-        self.logical().into_iter().filter(|c| seen.insert((c.t, c.v, c.d))).collect()
+        let mut v: Vec<Case> = self.logical().into_iter().filter(|c| seen.insert((c.t, c.v, c.d))).collect();
+        if matches!(self, Suite::Sweep) {
+            v.sort_by_key(|c| (c.t as u128 * c.v as u128 * c.d as u128, c.name()));
+        }
+        v
     }
 
     /// (logical cases, unique local shapes).

@@ -220,6 +220,21 @@ impl LmHead {
             let ws = &mut *guard;
             let staging = ws.staging.get(stream, p.t * stride)?;
             let staging = dev_out(staging, stream, "staging")?;
+            // K-major copies for the Hopper GEMMs (only when a wgmma config was chosen).
+            let t8 = p.t.next_multiple_of(8);
+            let wt = match cfg_dh.wgmma {
+                true => Some(dev_out(ws.w_chunk_t.get(stream, p.d * stride)?, stream, "transposed W chunk")?),
+                false => None,
+            };
+            let (st_t, ht) = match cfg_dw.wgmma {
+                true => (
+                    Some(dev_out(ws.staging_t.get(stream, chunk * t8)?, stream, "transposed staging")?),
+                    Some(dev_out(ws.h_t.get(stream, p.d * t8)?, stream, "transposed h")?),
+                ),
+                false => (None, None),
+            };
+            let g = Gemms { gpu: &self.gpu, stream, p, stride, w, h, wt: wt.as_ref(), st_t: st_t.as_ref(), ht: ht.as_ref() };
+            g.prepare(cfg_dw)?;
             // The f32 accumulator of dh: the caller's buffer when f32, else the workspace's
             // (not needed for a single chunk written straight to bf16 without reduction).
             let reduce_bf16 = reduce_dh.is_some() && !dh.f32;
@@ -237,39 +252,15 @@ impl LmHead {
                 // dh (+)= staging[:, :cw] · W[c0 .. c0 + cw]
                 let first = c == 0;
                 let last = c + 1 == chunks;
-                let w_chunk = w.sub(c0 * p.d, cw * p.d, 2)?;
                 // With a reduction, bf16 dh stays in the f32 accumulator until after the SUM.
                 let straight_to_bf16 = !dh.f32 && last && !reduce_bf16;
                 let mode = GemmOut { accumulate: !first, write_acc: !straight_to_bf16, out_f32: dh.f32 };
                 let out = straight_to_bf16.then_some(&dh.dev);
-                launch::bwd_gemm(
-                    &self.gpu,
-                    stream,
-                    Family::BwdDh,
-                    cfg_dh,
-                    (p.t, p.d, cw),
-                    (&staging, stride),
-                    (&w_chunk, p.d),
-                    Some(acc),
-                    out,
-                    mode,
-                )?;
+                g.dh(cfg_dh, (c0, cw), &staging, Some(acc), out, mode)?;
                 // dW[c0 .. c0 + cw] = staging[:, :cw]ᵀ · h
                 let elem = if dw.f32 { 4 } else { 2 };
                 let dw_chunk = dw.dev.sub(c0 * p.d, cw * p.d, elem)?;
-                let mode = GemmOut { accumulate: false, write_acc: false, out_f32: dw.f32 };
-                launch::bwd_gemm(
-                    &self.gpu,
-                    stream,
-                    Family::BwdDw,
-                    cfg_dw,
-                    (cw, p.d, p.t),
-                    (&staging, stride),
-                    (h, p.d),
-                    None,
-                    Some(&dw_chunk),
-                    mode,
-                )?;
+                g.dw(cfg_dw, cw, &staging, &dw_chunk, GemmOut { accumulate: false, write_acc: false, out_f32: dw.f32 })?;
             }
             if let Some(comm) = reduce_dh {
                 // Tensor parallel: every rank's partial dh, summed in f32, then rounded.
@@ -279,7 +270,8 @@ impl LmHead {
                 }
             }
         }
-        let workspace_bytes = guard.staging.bytes() + guard.dh_acc.bytes();
+        let workspace_bytes =
+            guard.staging.bytes() + guard.dh_acc.bytes() + guard.staging_t.bytes() + guard.w_chunk_t.bytes() + guard.h_t.bytes();
         Ok(BwdReport { dlogits: cfg_dl, dh: cfg_dh, dw: cfg_dw, chunk, chunks, workspace_bytes })
     }
 
@@ -306,10 +298,13 @@ impl LmHead {
         // Scratch for the trials (allocated only when something is tuned).
         let mut scratch = if needs_tuning {
             let alloc = |n: usize, what: &'static str| stream.alloc_zeros::<bf16>(n).map_err(|_| Error::OutOfMemory { what, bytes: 2 * n });
+            let t8 = p.t.next_multiple_of(8);
             Some((
                 alloc(p.t * stride, "tuning staging")?,
                 stream.alloc_zeros::<f32>(p.t * p.d).map_err(|_| Error::OutOfMemory { what: "tuning dh", bytes: 4 * p.t * p.d })?,
                 alloc(chunk * p.d, "tuning dW")?,
+                // K-major copies for the wgmma candidates: W chunkᵀ, stagingᵀ, hᵀ.
+                (alloc(p.d * stride, "tuning W chunkT")?, alloc(chunk * t8, "tuning stagingT")?, alloc(p.d * t8, "tuning hT")?),
             ))
         } else {
             None
@@ -319,7 +314,7 @@ impl LmHead {
             v.iter().step_by(step).map(|&x| x as f64).collect()
         };
         let cfg_dl = self.tuner.pick(&TuneKey::new(fam_dl, chunk_problem, tp), choice.dlogits, &self.gpu, &mut |cfg| {
-            let (st, _, _) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
+            let (st, _, _, _) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
             let ms = crate::tune::bench::time_ms(stream, || {
                 let sd = dev_out(&mut *st, stream, "tuning staging")?;
                 launch::bwd_dlogits(&self.gpu, stream, cfg, dims, sc, (0, chunk, stride), h, w, labels, lse, gl, ent, &sd)
@@ -329,34 +324,120 @@ impl LmHead {
             Ok(crate::tune::Trial { ms, check: sample(&f) })
         })?;
         // The GEMM trials read the staging buffer the fallback d-logits left in scratch.
-        if let Some((st, _, _)) = scratch.as_mut() {
+        if let Some((st, _, _, _)) = scratch.as_mut() {
             let sd = dev_out(&mut *st, stream, "tuning staging")?;
             launch::bwd_dlogits(&self.gpu, stream, cfg_dl, dims, sc, (0, chunk, stride), h, w, labels, lse, gl, ent, &sd)?;
         }
         let cfg_dh = self.tuner.pick(&TuneKey::new(Family::BwdDh, chunk_problem, tp), choice.dh, &self.gpu, &mut |cfg| {
-            let (st, acc, _) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
+            let (st, acc, _, (wt, _, _)) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
             let ms = crate::tune::bench::time_ms(stream, || {
                 let sd = dev_in(&*st, stream, "tuning staging")?;
                 let ad = dev_out(&mut *acc, stream, "tuning dh")?;
-                let wc = w.sub(0, chunk * p.d, 2)?;
-                let mode = GemmOut { accumulate: false, write_acc: true, out_f32: true };
-                launch::bwd_gemm(&self.gpu, stream, Family::BwdDh, cfg, (p.t, p.d, chunk), (&sd, stride), (&wc, p.d), Some(&ad), None, mode)
+                let wtd = dev_out(&mut *wt, stream, "tuning W chunkT")?;
+                let g = Gemms { gpu: &self.gpu, stream, p, stride, w, h, wt: Some(&wtd), st_t: None, ht: None };
+                g.dh(cfg, (0, chunk), &sd, Some(&ad), None, GemmOut { accumulate: false, write_acc: true, out_f32: true })
             })?;
             let host = stream.clone_dtoh(&*acc).during(|| "reading tuning dh".into())?;
             Ok(crate::tune::Trial { ms, check: sample(&host) })
         })?;
         let cfg_dw = self.tuner.pick(&TuneKey::new(Family::BwdDw, chunk_problem, tp), choice.dw, &self.gpu, &mut |cfg| {
-            let (st, _, out) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
+            let (st, _, out, (_, stt, ht)) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
+            {
+                // hᵀ once per call, as in the real backward (outside the timing).
+                let htd = dev_out(&mut *ht, stream, "tuning hT")?;
+                let g = Gemms { gpu: &self.gpu, stream, p, stride, w, h, wt: None, st_t: None, ht: Some(&htd) };
+                g.prepare(cfg)?;
+            }
             let ms = crate::tune::bench::time_ms(stream, || {
                 let sd = dev_in(&*st, stream, "tuning staging")?;
                 let od = dev_out(&mut *out, stream, "tuning dW")?;
-                let mode = GemmOut { accumulate: false, write_acc: false, out_f32: false };
-                launch::bwd_gemm(&self.gpu, stream, Family::BwdDw, cfg, (chunk, p.d, p.t), (&sd, stride), (h, p.d), None, Some(&od), mode)
+                let sttd = dev_out(&mut *stt, stream, "tuning stagingT")?;
+                let htd = dev_in(&*ht, stream, "tuning hT")?;
+                let g = Gemms { gpu: &self.gpu, stream, p, stride, w, h, wt: None, st_t: Some(&sttd), ht: Some(&htd) };
+                g.dw(cfg, chunk, &sd, &od, GemmOut { accumulate: false, write_acc: false, out_f32: false })
             })?;
             let host = stream.clone_dtoh(&*out).during(|| "reading tuning dW".into())?;
             let f: Vec<f32> = host.iter().map(|x| x.to_f32()).collect();
             Ok(crate::tune::Trial { ms, check: sample(&f) })
         })?;
         Ok((cfg_dl, cfg_dh, cfg_dw))
+    }
+}
+
+/// The two backward GEMMs of a chunk with either kernel kind: `mma.sync` configs read the
+/// staging buffer, `W` and `h` as they are (N-major B, M-major A for dW); `wgmma` configs read
+/// K-major copies made here by the transpose kernel (`wt`: the `W` chunk `[d][stride]`, `st_t`:
+/// the staging chunk `[cw][t8]`, `ht`: `h` `[d][t8]`, padding zeros).
+struct Gemms<'a> {
+    gpu: &'a crate::device::Gpu,
+    stream: &'a Arc<CudaStream>,
+    p: Problem,
+    stride: usize,
+    w: &'a Dev<'a>,
+    h: &'a Dev<'a>,
+    wt: Option<&'a Dev<'a>>,
+    st_t: Option<&'a Dev<'a>>,
+    ht: Option<&'a Dev<'a>>,
+}
+
+impl Gemms<'_> {
+    fn t8(&self) -> usize {
+        self.p.t.next_multiple_of(8)
+    }
+
+    /// Once per call: `h`ᵀ for a wgmma dW.
+    fn prepare(&self, cfg_dw: TileConfig) -> Result<()> {
+        if cfg_dw.wgmma {
+            let ht = self.ht.ok_or_else(|| Error::Config("no buffer for hᵀ".into()))?;
+            launch::transpose_bf16(self.gpu, self.stream, (self.p.t, self.p.d, self.p.d), self.h, (self.t8(), self.t8()), ht)?;
+        }
+        Ok(())
+    }
+
+    /// `dh (+)= staging[:, :cw] · W[c0 .. c0 + cw]`.
+    fn dh(
+        &self,
+        cfg: TileConfig,
+        (c0, cw): (usize, usize),
+        staging: &Dev,
+        acc: Option<&Dev>,
+        out: Option<&Dev>,
+        mode: GemmOut,
+    ) -> Result<()> {
+        let (p, stride) = (self.p, self.stride);
+        let w_chunk = self.w.sub(c0 * p.d, cw * p.d, 2)?;
+        if cfg.wgmma {
+            let wt = self.wt.ok_or_else(|| Error::Config("no buffer for W chunkᵀ".into()))?;
+            launch::transpose_bf16(self.gpu, self.stream, (cw, p.d, p.d), &w_chunk, (stride, stride), wt)?;
+            launch::bwd_gemm_kk(self.gpu, self.stream, Family::BwdDh, cfg, (p.t, p.d, cw), (staging, stride), (wt, stride), acc, out, mode)
+        } else {
+            launch::bwd_gemm(self.gpu, self.stream, Family::BwdDh, cfg, (p.t, p.d, cw), (staging, stride), (&w_chunk, p.d), acc, out, mode)
+        }
+    }
+
+    /// `dW_chunk = staging[:, :cw]ᵀ · h` into `out` (`[cw][d]`).
+    fn dw(&self, cfg: TileConfig, cw: usize, staging: &Dev, out: &Dev, mode: GemmOut) -> Result<()> {
+        let (p, stride, t8) = (self.p, self.stride, self.t8());
+        if cfg.wgmma {
+            let (st_t, ht) = match (self.st_t, self.ht) {
+                (Some(a), Some(b)) => (a, b),
+                _ => return Err(Error::Config("no buffers for stagingᵀ / hᵀ".into())),
+            };
+            launch::transpose_bf16(self.gpu, self.stream, (p.t, cw, stride), staging, (t8, t8), st_t)?;
+            launch::bwd_gemm_kk(self.gpu, self.stream, Family::BwdDw, cfg, (cw, p.d, p.t), (st_t, t8), (ht, t8), None, Some(out), mode)
+        } else {
+            launch::bwd_gemm(
+                self.gpu,
+                self.stream,
+                Family::BwdDw,
+                cfg,
+                (cw, p.d, p.t),
+                (staging, stride),
+                (self.h, p.d),
+                None,
+                Some(out),
+                mode,
+            )
+        }
     }
 }

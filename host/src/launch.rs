@@ -11,7 +11,7 @@
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop};
 use lmhead_core::config::{fixed, kernel_name, Family, TileConfig};
-use lmhead_core::params::{CastParams, GemmParams, LogitsParams, MergeParams, NaiveParams, LABELS_I32, LABELS_I64};
+use lmhead_core::params::{CastParams, GemmParams, LogitsParams, MergeParams, NaiveParams, TransposeParams, LABELS_I32, LABELS_I64};
 
 use crate::device::Gpu;
 use crate::error::{Context as _, Error, Result};
@@ -117,6 +117,8 @@ unsafe impl DeviceRepr for Arg<MergeParams> {}
 unsafe impl DeviceRepr for Arg<CastParams> {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for Arg<NaiveParams> {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for Arg<TransposeParams> {}
 // SAFETY: `Partial` is `#[repr(C, align(16))]` of four f32; any bit pattern is valid.
 unsafe impl DeviceRepr for crate::workspace::PartialRepr {}
 // SAFETY: zero bits are four 0.0 f32.
@@ -337,6 +339,82 @@ pub fn bwd_gemm(
     }
     let grid = (m.div_ceil(cfg.bm as usize) as u32, n.div_ceil(cfg.bn as usize) as u32);
     launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)
+}
+
+/// `C[m][n] (+)= Σ_k A[m][k] · B[n][k]` on the Hopper `wgmma` GEMM: both operands K-major
+/// (`a_stride`, `b_stride` ≥ `k` rounded up to 8, padding zeros), the output as in
+/// [`bwd_gemm`]. `cfg` must be a `wgmma` candidate of `family` (`BwdDh` or `BwdDw`).
+#[allow(clippy::too_many_arguments)]
+pub fn bwd_gemm_kk(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    family: Family,
+    cfg: TileConfig,
+    (m, n, k): (usize, usize, usize),
+    (a, a_stride): (&Dev, usize),
+    (b, b_stride): (&Dev, usize),
+    acc: Option<&Dev>,
+    out: Option<&Dev>,
+    mode: GemmOut,
+) -> Result<()> {
+    if !cfg.wgmma || !matches!(family, Family::BwdDh | Family::BwdDw) {
+        return Err(Error::Config(format!("{cfg:?} is not a wgmma GEMM config of {family:?}")));
+    }
+    let k8 = k.next_multiple_of(8);
+    if n % 8 != 0 || a_stride < k8 || b_stride < k8 || a_stride % 8 != 0 || b_stride % 8 != 0 {
+        return Err(Error::Config(format!(
+            "K-major gemm needs n % 8 == 0 and strides ≥ k rounded to 8 (n {n}, k {k}, strides {a_stride}, {b_stride})"
+        )));
+    }
+    let mut p = GemmParams {
+        a: a.check(m * a_stride, 16)?,
+        b: b.check(n * b_stride, 16)?,
+        a_stride: a_stride as u64,
+        b_stride: b_stride as u64,
+        c_stride: n as u64,
+        m: m as u32,
+        n: n as u32,
+        k: k as u32,
+        accumulate: mode.accumulate as u32,
+        write_acc: mode.write_acc as u32,
+        out_f32: mode.out_f32 as u32,
+        ..Default::default()
+    };
+    if mode.accumulate || mode.write_acc {
+        p.c_acc = acc.ok_or_else(|| Error::Config("gemm: accumulator missing".into()))?.check(m * n, 8)?;
+    }
+    if let Some(o) = out {
+        p.c_out = o.check(m * n, if mode.out_f32 { 8 } else { 4 })?;
+    }
+    let grid = (m.div_ceil(cfg.bm as usize) as u32, n.div_ceil(cfg.bn as usize) as u32);
+    launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)
+}
+
+/// `dst[c][r] = src[r][c]` for `r < rows`, `c < cols`, zeros for `rows ≤ r < dst_cols` (bf16).
+pub fn transpose_bf16(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    (rows, cols, src_stride): (usize, usize, usize),
+    src: &Dev,
+    (dst_stride, dst_cols): (usize, usize),
+    dst: &Dev,
+) -> Result<()> {
+    if src_stride < cols || dst_stride < dst_cols || dst_cols < rows {
+        return Err(Error::Config(format!("bad transpose {rows}×{cols} (strides {src_stride}, {dst_stride}, dst_cols {dst_cols})")));
+    }
+    let p = TransposeParams {
+        src: src.check(rows * src_stride, 2)?,
+        dst: dst.check(cols * dst_stride, 2)?,
+        src_stride: src_stride as u64,
+        dst_stride: dst_stride as u64,
+        rows: rows as u32,
+        cols: cols as u32,
+        dst_cols: dst_cols as u32,
+        _pad: 0,
+    };
+    let tiles = (dst_cols.div_ceil(32) * cols.div_ceil(32)).max(1);
+    let blocks = tiles.min(132 * 16) as u32;
+    launch(gpu, stream, fixed::TRANSPOSE_BF16, 32 * 34 * 2, (blocks, 1), fixed::THREADS, p)
 }
 
 /// Which per-row merge kernel.

@@ -106,3 +106,50 @@ impl LmHead {
         self.ws.lock().unwrap().release();
     }
 }
+
+impl LmHead {
+    /// Tune ahead of time: for each distinct token bucket among `token_counts`, run the forward
+    /// (with or without entropy) and, if `backward`, the backward once on scratch inputs of that
+    /// shape (random bf16, labels in range), so that later calls with those counts find their
+    /// configs in the cache. Nothing of the caller's is read or written.
+    pub fn warm_up(&self, token_counts: &[usize], v: usize, d: usize, entropy: bool, backward: bool) -> Result<()> {
+        let stream = self.gpu.context().default_stream();
+        self.tuner.warm_up(token_counts, |t| {
+            let p = Problem::new(t, v, d);
+            p.check()?;
+            let bits = |n: usize, seed: u64| {
+                let mut r = lmhead_reference::rng::Rng::new(seed);
+                (0..n).map(|_| lmhead_reference::bf16::from_f32((r.normal() * 0.05) as f32)).collect::<Vec<u16>>()
+            };
+            let h = testing::upload_bf16(&stream, &bits(t * d, 1))?;
+            let w = testing::upload_bf16(&stream, &bits(v * d, 2))?;
+            let labels = testing::upload(&stream, &(0..t).map(|i| (i % v) as i32).collect::<Vec<_>>())?;
+            let alloc = |n: usize| stream.alloc_zeros::<f32>(n).map_err(|_| Error::OutOfMemory { what: "warm-up outputs", bytes: 4 * n });
+            let (mut lp, mut lse, mut ent) = (alloc(t)?, alloc(t)?, alloc(t)?);
+            let x = FwdInputs { h: &h, w: &w, labels: &labels, problem: p };
+            self.forward(
+                &stream,
+                &x,
+                &FwdOptions::default(),
+                FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: entropy.then_some(&mut ent) },
+            )?;
+            if backward {
+                let g = testing::upload(&stream, &vec![1.0f32; t])?;
+                let mut dh = stream.alloc_zeros::<bf16>(t * d).map_err(|_| Error::OutOfMemory { what: "warm-up dh", bytes: 2 * t * d })?;
+                let mut dw = stream.alloc_zeros::<bf16>(v * d).map_err(|_| Error::OutOfMemory { what: "warm-up dW", bytes: 2 * v * d })?;
+                let bx = BwdInputs {
+                    h: &h,
+                    w: &w,
+                    labels: &labels,
+                    lse: &lse,
+                    entropy: entropy.then_some(&ent as &dyn cudarc::driver::DevicePtr<f32>),
+                    grad_logprob: Some(&g),
+                    grad_entropy: entropy.then_some(&g as &dyn cudarc::driver::DevicePtr<f32>),
+                    problem: p,
+                };
+                self.backward(&stream, &bx, &BwdOptions::default(), GradOut::Bf16(&mut dh), GradOut::Bf16(&mut dw))?;
+            }
+            stream.synchronize().map_err(|source| Error::Driver { during: "warm-up".into(), source })
+        })
+    }
+}

@@ -58,37 +58,8 @@ pub unsafe fn dlogits<
     let chunk_end = p.v_chunk_begin + p.v_chunk;
 
     // ---- Prologue: per-row coefficients ------------------------------------------------------
-    let lse2_scale = LOG2_E as f32;
-    let mut lse2 = [[0.0f32; 2]; MI];
-    let mut gl = [[0.0f32; 2]; MI];
-    let mut ge = [[0.0f32; 2]; MI];
-    let mut mu = [[0.0f32; 2]; MI];
-    let mut label = [[-1i32; 2]; MI];
-    unroll!(MI, |mi| {
-        unroll!(2, |h| {
-            let row = m0 + w.row(mi, h);
-            if row < p.t {
-                let r = row as usize;
-                // SAFETY: row < t; every per-row buffer holds t elements (kernel contract).
-                unsafe {
-                    let lse = *(p.lse as *const f32).add(r);
-                    lse2[mi][h] = lse * lse2_scale;
-                    let raw = load_label(p.labels, p.label_kind, row);
-                    let l = local_column(p, raw);
-                    label[mi][h] = if l >= 0 { l - p.v_chunk_begin as i32 } else { -1 };
-                    if raw != p.ignore_index {
-                        if p.grad_logprob != 0 {
-                            gl[mi][h] = *(p.grad_logprob as *const f32).add(r) * p.inv_temp;
-                        }
-                        if ENT {
-                            ge[mi][h] = *(p.grad_entropy as *const f32).add(r) * p.inv_temp;
-                            mu[mi][h] = lse - *(p.entropy as *const f32).add(r);
-                        }
-                    }
-                }
-            }
-        });
-    });
+    // SAFETY: buffers per the kernel contract.
+    let coeffs = unsafe { row_coeffs::<MI, ENT>(p, &w, m0) };
 
     let a = Operand { ptr: p.h as *const u16, stride: p.h_row_stride, mn_bound: p.t, k_bound: p.d };
     let b = Operand { ptr: p.w as *const u16, stride: p.w_row_stride, mn_bound: chunk_end, k_bound: p.d };
@@ -117,36 +88,8 @@ pub unsafe fn dlogits<
     let finish = #[inline(always)]
     |_: u32, acc: &mut Acc<MI, NI>| {
         // ---- Epilogue: d-logits, bf16, into the staging buffer -----------------------
-        unroll!(MI, |mi| {
-            unroll!(2, |h| {
-                let row = m0 + w.row(mi, h);
-                if row < p.t {
-                    let neg_lse2 = -lse2[mi][h];
-                    unroll!(NI, |ni| {
-                        let c = n0 + w.col(ni, 0);
-                        let mut g = [0.0f32; 2];
-                        unroll!(2, |e| {
-                            let raw = acc[mi][ni][2 * h + e];
-                            let pr = exp2(fma(raw, p.scale2, neg_lse2));
-                            let onehot = if (c + e as u32) as i32 == label[mi][h] { 1.0 } else { 0.0 };
-                            let mut x = gl[mi][h] * (onehot - pr);
-                            if ENT {
-                                let z = raw * p.inv_temp;
-                                x -= ge[mi][h] * pr * (z - mu[mi][h]);
-                            }
-                            g[e] = if c + (e as u32) < p.v_chunk { x } else { 0.0 };
-                        });
-                        if (c as u64) < p.staging_stride {
-                            let idx = row as u64 * p.staging_stride + c as u64;
-                            // SAFETY: row < t and c < stride (c even, stride a multiple
-                            // of 8, so c + 1 < stride too): inside the staging buffer;
-                            // 4-byte aligned because c and the stride are even.
-                            unsafe { *(p.staging as *mut u32).add((idx / 2) as usize) = intrinsics::pack_bf16x2(g[0], g[1]) };
-                        }
-                    });
-                }
-            });
-        });
+        // SAFETY: staging per the kernel contract.
+        unsafe { store_dlogits::<MI, NI, ENT>(p, &w, m0, n0, acc, &coeffs) };
     };
     // SAFETY: all threads call with the same trip counts; the ring is the dynamic shared memory.
     unsafe { mainloop::pipeline::<ST, Acc<MI, NI>>(ring, stage_bytes, 1, kt, &mut acc, load, compute, finish) };
@@ -206,41 +149,144 @@ pub unsafe fn gemm<
     let finish = #[inline(always)]
     |_: u32, acc: &mut Acc<MI, NI>| {
         // ---- Epilogue ----------------------------------------------------------------
-        unroll!(MI, |mi| {
-            unroll!(2, |h| {
-                let row = m0 + w.row(mi, h);
-                if row < p.m {
-                    unroll!(NI, |ni| {
-                        let col = n0 + w.col(ni, 0);
-                        if col < p.n {
-                            let idx = (row as u64 * p.c_stride + col as u64) as usize;
-                            let mut x0 = acc[mi][ni][2 * h];
-                            let mut x1 = acc[mi][ni][2 * h + 1];
-                            // SAFETY: row < m, col + 1 < n (n and col even): inside C,
-                            // 8-byte aligned (col and c_stride even, base aligned).
-                            unsafe {
-                                if p.accumulate != 0 {
-                                    let (y0, y1) = intrinsics::ld_global_v2((p.c_acc as *const f32).add(idx));
-                                    x0 += y0;
-                                    x1 += y1;
-                                }
-                                if p.write_acc != 0 {
-                                    intrinsics::st_global_v2((p.c_acc as *mut f32).add(idx), x0, x1);
-                                }
-                                if p.c_out != 0 {
-                                    if p.out_f32 != 0 {
-                                        intrinsics::st_global_v2((p.c_out as *mut f32).add(idx), x0, x1);
-                                    } else {
-                                        *(p.c_out as *mut u32).add(idx / 2) = intrinsics::pack_bf16x2(x0, x1);
-                                    }
-                                }
-                            }
-                        }
-                    });
-                }
-            });
-        });
+        // SAFETY: C buffers per the kernel contract.
+        unsafe { store_gemm::<MI, NI>(p, &w, m0, n0, acc) };
     };
     // SAFETY: all threads call with the same trip counts; the ring is the dynamic shared memory.
     unsafe { mainloop::pipeline::<ST, Acc<MI, NI>>(ring, stage_bytes, 1, kt, &mut acc, load, compute, finish) };
+}
+
+/// Per-row coefficients of the d-logits: `lse·log2e`, `g_ℓ/T`, `g_H/T`, `μ = lse − H` and the
+/// label's column relative to the chunk (−1: none). Ignored rows keep zero gradients.
+pub(crate) struct RowCoeffs<const MI: usize> {
+    lse2: [[f32; 2]; MI],
+    gl: [[f32; 2]; MI],
+    ge: [[f32; 2]; MI],
+    mu: [[f32; 2]; MI],
+    label: [[i32; 2]; MI],
+}
+
+/// Load the coefficients of this thread's rows (`w.row(mi, h)` of the tile at `m0`).
+///
+/// # Safety
+/// `p` describes `t` labels, `lse` and the non-null gradients (and `entropy` when `ENT`).
+#[inline(always)]
+pub(crate) unsafe fn row_coeffs<const MI: usize, const ENT: bool>(p: &LogitsParams, w: &WarpPos, m0: u32) -> RowCoeffs<MI> {
+    let lse2_scale = LOG2_E as f32;
+    let mut c = RowCoeffs { lse2: [[0.0; 2]; MI], gl: [[0.0; 2]; MI], ge: [[0.0; 2]; MI], mu: [[0.0; 2]; MI], label: [[-1; 2]; MI] };
+    unroll!(MI, |mi| {
+        unroll!(2, |h| {
+            let row = m0 + w.row(mi, h);
+            if row < p.t {
+                let r = row as usize;
+                // SAFETY: row < t; every per-row buffer holds t elements (caller).
+                unsafe {
+                    let lse = *(p.lse as *const f32).add(r);
+                    c.lse2[mi][h] = lse * lse2_scale;
+                    let raw = load_label(p.labels, p.label_kind, row);
+                    let l = local_column(p, raw);
+                    c.label[mi][h] = if l >= 0 { l - p.v_chunk_begin as i32 } else { -1 };
+                    if raw != p.ignore_index {
+                        if p.grad_logprob != 0 {
+                            c.gl[mi][h] = *(p.grad_logprob as *const f32).add(r) * p.inv_temp;
+                        }
+                        if ENT {
+                            c.ge[mi][h] = *(p.grad_entropy as *const f32).add(r) * p.inv_temp;
+                            c.mu[mi][h] = lse - *(p.entropy as *const f32).add(r);
+                        }
+                    }
+                }
+            }
+        });
+    });
+    c
+}
+
+/// Write the bf16 d-logits of one finished logits tile (raw dot products in `acc`, columns
+/// `n0 + w.col(..)` relative to the chunk) into the staging buffer; padding columns get 0.
+///
+/// # Safety
+/// `p.staging` holds `t · staging_stride` bf16 (`staging_stride` a multiple of 8).
+#[inline(always)]
+pub(crate) unsafe fn store_dlogits<const MI: usize, const NI: usize, const ENT: bool>(
+    p: &LogitsParams,
+    w: &WarpPos,
+    m0: u32,
+    n0: u32,
+    acc: &Acc<MI, NI>,
+    co: &RowCoeffs<MI>,
+) {
+    unroll!(MI, |mi| {
+        unroll!(2, |h| {
+            let row = m0 + w.row(mi, h);
+            if row < p.t {
+                let neg_lse2 = -co.lse2[mi][h];
+                unroll!(NI, |ni| {
+                    let c = n0 + w.col(ni, 0);
+                    let mut g = [0.0f32; 2];
+                    unroll!(2, |e| {
+                        let raw = acc[mi][ni][2 * h + e];
+                        let pr = exp2(fma(raw, p.scale2, neg_lse2));
+                        let onehot = if (c + e as u32) as i32 == co.label[mi][h] { 1.0 } else { 0.0 };
+                        let mut x = co.gl[mi][h] * (onehot - pr);
+                        if ENT {
+                            let z = raw * p.inv_temp;
+                            x -= co.ge[mi][h] * pr * (z - co.mu[mi][h]);
+                        }
+                        g[e] = if c + (e as u32) < p.v_chunk { x } else { 0.0 };
+                    });
+                    if (c as u64) < p.staging_stride {
+                        let idx = row as u64 * p.staging_stride + c as u64;
+                        // SAFETY: row < t and c < stride (c even, stride a multiple of 8, so
+                        // c + 1 < stride too): inside the staging buffer; 4-byte aligned because
+                        // c and the stride are even.
+                        unsafe { *(p.staging as *mut u32).add((idx / 2) as usize) = intrinsics::pack_bf16x2(g[0], g[1]) };
+                    }
+                });
+            }
+        });
+    });
+}
+
+/// The backward GEMMs' epilogue: `C = acc (+ C_acc)`, written to the f32 accumulator and/or the
+/// output (bf16 or f32) as `p` asks.
+///
+/// # Safety
+/// `p`'s C buffers hold `m · c_stride` elements, rows 8-byte aligned, `n` and `c_stride` even.
+#[inline(always)]
+pub(crate) unsafe fn store_gemm<const MI: usize, const NI: usize>(p: &GemmParams, w: &WarpPos, m0: u32, n0: u32, acc: &Acc<MI, NI>) {
+    unroll!(MI, |mi| {
+        unroll!(2, |h| {
+            let row = m0 + w.row(mi, h);
+            if row < p.m {
+                unroll!(NI, |ni| {
+                    let col = n0 + w.col(ni, 0);
+                    if col < p.n {
+                        let idx = (row as u64 * p.c_stride + col as u64) as usize;
+                        let mut x0 = acc[mi][ni][2 * h];
+                        let mut x1 = acc[mi][ni][2 * h + 1];
+                        // SAFETY: row < m, col + 1 < n (n and col even): inside C, 8-byte
+                        // aligned (col and c_stride even, base aligned).
+                        unsafe {
+                            if p.accumulate != 0 {
+                                let (y0, y1) = intrinsics::ld_global_v2((p.c_acc as *const f32).add(idx));
+                                x0 += y0;
+                                x1 += y1;
+                            }
+                            if p.write_acc != 0 {
+                                intrinsics::st_global_v2((p.c_acc as *mut f32).add(idx), x0, x1);
+                            }
+                            if p.c_out != 0 {
+                                if p.out_f32 != 0 {
+                                    intrinsics::st_global_v2((p.c_out as *mut f32).add(idx), x0, x1);
+                                } else {
+                                    *(p.c_out as *mut u32).add(idx / 2) = intrinsics::pack_bf16x2(x0, x1);
+                                }
+                            }
+                        }
+                    }
+                });
+            }
+        });
+    });
 }

@@ -14,15 +14,20 @@
 //! reading the stage that iteration `j + 1` overwrites. One `wgmma` group stays in flight while
 //! the next stage is being waited for.
 //!
+//! Three kernels use the mainloop, all with K-major operands: the fused forward, the backward
+//! d-logits, and the backward GEMMs on operands the host transposed to K-major first
+//! (`merge::transpose_bf16`).
+//!
 //! The epilogue folds each 64-column half of a 128-column block with `fwd::fold_tile` (the
 //! accumulator layout of `m64n128k16` is the `mma.sync` m16n8 layout per 8 columns, one m16 tile
 //! per warp), and the block reduction is `fwd::store_partials` with one warp along N.
 
+use crate::bwd::{row_coeffs, store_dlogits, store_gemm};
 use crate::fwd::{fold_tile, load_label, local_column, store_partials};
 use crate::intrinsics::{self, SmemAddr};
 use crate::mainloop::{self, Acc, Operand, WarpPos};
 use lmhead_core::lse::Lse2;
-use lmhead_core::params::LogitsParams;
+use lmhead_core::params::{GemmParams, LogitsParams};
 use lmhead_core::wgmma::desc_k_major_sw128;
 
 const BK: usize = 64;
@@ -38,54 +43,44 @@ fn wait_prefetched<const ST: usize>() {
     }
 }
 
-/// The fused forward on the Hopper mainloop. Same contract and outputs as `fwd::fwd`.
+/// Accumulators of one warp: `NW` blocks of 128 columns, each two halves of one m16 × eight n8
+/// tiles (the `wgmma_m64n128k16_bf16` operand).
+pub type WgAcc<const NW: usize> = [[[[f32; 4]; 8]; 2]; NW];
+
+/// The pipelined `wgmma` K loop over `n_tiles` consecutive `BN`-wide output tiles of one block
+/// (tile `i` starts at column `n0_first + i·BN` of B's rows). `finish(tile, acc)` runs after the
+/// last K step of each tile, with every `wgmma` of the tile retired.
 ///
 /// # Safety
-/// Launched with `WGM·128` threads, a grid of `(ceil(t/BM), n_splits)` blocks and
-/// `(BM + BN)·64·2·ST` bytes of dynamic shared memory (1024-byte aligned by its declaration);
-/// `p` describes valid device buffers as for `fwd::fwd`.
+/// Called by all `WGM·128` threads of the block with the same arguments except `tid`; the
+/// dynamic shared memory holds `ST` stages of `(BM + BN)·128` bytes, 1024-byte aligned; `a`
+/// (rows `m0 ..`) and `b` (rows `n0_first ..`) describe readable K-major bf16 operands.
 #[inline(always)]
-pub unsafe fn fwd_wg<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const ENT: bool>(
-    p: &LogitsParams,
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn wg_pipeline<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize>(
+    tid: u32,
+    a: Operand,
+    b: Operand,
+    m0: u32,
+    n0_first: u32,
+    n_tiles: u32,
+    kt: u32,
+    acc: &mut WgAcc<NW>,
+    mut finish: impl FnMut(u32, &mut WgAcc<NW>),
 ) {
     const {
         assert!(BM == 64 * WGM && BN == 128 * NW && ST >= 3 && ST <= 5);
         assert!(BM * BK / 8 % (WGM * 128) == 0 && BN * BK / 8 % (WGM * 128) == 0);
     }
-    let tid = intrinsics::thread_idx();
     let warp = tid >> 5;
-    // Warp `warp` holds rows 16·warp .. 16·warp + 16 of the tile (its warpgroup's 64 rows).
-    let w = WarpPos { tid, lane: tid & 31, wm0: 16 * warp, wn0: 0, warp_n: 0 };
     let wg_row0 = 64 * (warp / 4);
-    let m0 = intrinsics::block_idx_x() * BM as u32;
-    let split = intrinsics::block_idx_y();
-    let v_tiles = p.v.div_ceil(BN as u32);
-    let tile_begin = split * p.tiles_per_split;
-    let n_tiles = (v_tiles - tile_begin).min(p.tiles_per_split);
-    let kt = p.d.div_ceil(BK as u32);
-
-    // ---- Prologue: per-row state and labels ------------------------------------------------
-    let mut st = [[Lse2::<f32>::EMPTY; 2]; 1];
-    let mut z_label = [[0.0f32; 2]; 1];
-    let mut label = [[-1i32; 2]; 1];
-    unroll!(2, |h| {
-        let row = m0 + w.row(0, h);
-        if row < p.t {
-            // SAFETY: row < t and labels holds t elements (kernel contract).
-            label[0][h] = local_column(p, unsafe { load_label(p.labels, p.label_kind, row) });
-        }
-    });
-    let a = Operand { ptr: p.h as *const u16, stride: p.h_row_stride, mn_bound: p.t, k_bound: p.d };
-    let b = Operand { ptr: p.w as *const u16, stride: p.w_row_stride, mn_bound: p.v, k_bound: p.d };
     let ring: SmemAddr = intrinsics::smem_base();
     let threads = WGM * 128;
     let a_bytes = (BM * BK * 2) as u32;
     let stage_bytes = ((BM + BN) * BK * 2) as u32;
-    // NW blocks of 128 columns, each two halves of (1 m16 tile) × (8 n8 tiles) per warp.
-    let mut acc: [[[[f32; 4]; 8]; 2]; NW] = [[[[0.0; 4]; 8]; 2]; NW];
-
-    let load = |s: SmemAddr, tile: u32, k: u32| {
-        let n0 = (tile_begin + tile) * BN as u32;
+    let load = #[inline(always)]
+    |s: SmemAddr, tile: u32, k: u32| {
+        let n0 = n0_first + tile * BN as u32;
         let k0 = k * BK as u32;
         // SAFETY: stage `s` holds BM·64 + BN·64 bf16 in the 128B-swizzled layout (swz_k::<64>);
         // operands are bounds-checked per 16-byte chunk; every thread runs this with its tid.
@@ -94,8 +89,6 @@ pub unsafe fn fwd_wg<const BM: usize, const BN: usize, const ST: usize, const WG
             mainloop::load_tile::<BN, BK, true>(s + a_bytes, b, n0, k0, tid, threads);
         }
     };
-
-    // ---- Main loop --------------------------------------------------------------------------
     let prefetch = ST as u32 - 2;
     let total = n_tiles * kt;
     let (mut lt, mut lk, mut issued, mut load_stage) = (0u32, 0u32, 0u32, 0u32);
@@ -155,20 +148,139 @@ pub unsafe fn fwd_wg<const BM: usize, const BN: usize, const ST: usize, const WG
         }
         // SAFETY: the warpgroup is converged; all of this tile's groups retire here.
         unsafe { intrinsics::wgmma_wait::<0>() };
-        let n0 = (tile_begin + tile) * BN as u32;
-        unroll!(NW, |nb| {
-            unroll!(2, |half| {
-                let part: &mut Acc<1, 8> = core::array::from_mut(&mut acc[nb][half]);
-                fold_tile::<64, 1, 8, ENT>(p, &w, n0 + (nb * 128 + half * 64) as u32, part, &mut st, &mut z_label, &label);
-            });
-        });
+        finish(tile, acc);
         tile += 1;
     }
     intrinsics::cp_async_wait::<0>();
     // SAFETY: every thread reaches this point once; afterwards the ring is free.
     unsafe { intrinsics::sync_threads() };
+}
+
+/// This thread's warp position: warp `w` holds rows `16w .. 16w + 16` of the block tile and
+/// every column.
+#[inline(always)]
+fn warp_pos(tid: u32) -> WarpPos {
+    WarpPos { tid, lane: tid & 31, wm0: 16 * (tid >> 5), wn0: 0, warp_n: 0 }
+}
+
+/// One 64-column half of a 128-column block as the `Acc<1, 8>` of the shared epilogues.
+#[inline(always)]
+fn half<const NW: usize>(acc: &mut WgAcc<NW>, nb: usize, h: usize) -> &mut Acc<1, 8> {
+    core::array::from_mut(&mut acc[nb][h])
+}
+
+/// The fused forward on the Hopper mainloop. Same contract and outputs as `fwd::fwd`.
+///
+/// # Safety
+/// Launched with `WGM·128` threads, a grid of `(ceil(t/BM), n_splits)` blocks and
+/// `(BM + BN)·64·2·ST` bytes of dynamic shared memory; `p` describes valid device buffers as for
+/// `fwd::fwd`.
+#[inline(always)]
+pub unsafe fn fwd_wg<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const ENT: bool>(
+    p: &LogitsParams,
+) {
+    let tid = intrinsics::thread_idx();
+    let w = warp_pos(tid);
+    let m0 = intrinsics::block_idx_x() * BM as u32;
+    let split = intrinsics::block_idx_y();
+    let v_tiles = p.v.div_ceil(BN as u32);
+    let tile_begin = split * p.tiles_per_split;
+    let n_tiles = (v_tiles - tile_begin).min(p.tiles_per_split);
+    let kt = p.d.div_ceil(BK as u32);
+
+    // ---- Prologue: per-row state and labels ------------------------------------------------
+    let mut st = [[Lse2::<f32>::EMPTY; 2]; 1];
+    let mut z_label = [[0.0f32; 2]; 1];
+    let mut label = [[-1i32; 2]; 1];
+    unroll!(2, |h| {
+        let row = m0 + w.row(0, h);
+        if row < p.t {
+            // SAFETY: row < t and labels holds t elements (kernel contract).
+            label[0][h] = local_column(p, unsafe { load_label(p.labels, p.label_kind, row) });
+        }
+    });
+    let a = Operand { ptr: p.h as *const u16, stride: p.h_row_stride, mn_bound: p.t, k_bound: p.d };
+    let b = Operand { ptr: p.w as *const u16, stride: p.w_row_stride, mn_bound: p.v, k_bound: p.d };
+    let mut acc: WgAcc<NW> = [[[[0.0; 4]; 8]; 2]; NW];
+
+    // ---- Main loop, each tile folded into the row states ------------------------------------
+    let n0_first = tile_begin * BN as u32;
+    let finish = #[inline(always)]
+    |tile: u32, acc: &mut WgAcc<NW>| {
+        let n0 = n0_first + tile * BN as u32;
+        unroll!(NW, |nb| {
+            unroll!(2, |h| {
+                fold_tile::<64, 1, 8, ENT>(p, &w, n0 + (nb * 128 + h * 64) as u32, half(acc, nb, h), &mut st, &mut z_label, &label);
+            });
+        });
+    };
+    // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
+    unsafe { wg_pipeline::<BM, BN, ST, WGM, NW>(tid, a, b, m0, n0_first, n_tiles, kt, &mut acc, finish) };
 
     // ---- Epilogue ---------------------------------------------------------------------------
-    // SAFETY: all threads, ring drained behind the barrier above; BM·16 bytes fit the ring.
-    unsafe { store_partials::<BM, 1, 1, ENT>(p, &w, &mut st, &mut z_label, m0, split, ring) };
+    // SAFETY: all threads, ring drained behind the pipeline's last barrier; BM·16 bytes fit.
+    unsafe { store_partials::<BM, 1, 1, ENT>(p, &w, &mut st, &mut z_label, m0, split, intrinsics::smem_base()) };
+}
+
+/// Backward d-logits of one vocab chunk on the Hopper mainloop. Same contract as
+/// `bwd::dlogits`.
+///
+/// # Safety
+/// Launched with `WGM·128` threads, grid `(ceil(t/BM), ceil(staging_stride/BN))`, the ring's
+/// dynamic shared memory; buffers as for `bwd::dlogits`.
+#[inline(always)]
+pub unsafe fn dlogits_wg<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const ENT: bool>(
+    p: &LogitsParams,
+) {
+    let tid = intrinsics::thread_idx();
+    let w = warp_pos(tid);
+    let m0 = intrinsics::block_idx_x() * BM as u32;
+    let n0 = intrinsics::block_idx_y() * BN as u32;
+    // SAFETY: buffers per the kernel contract.
+    let coeffs = unsafe { row_coeffs::<1, ENT>(p, &w, m0) };
+    let a = Operand { ptr: p.h as *const u16, stride: p.h_row_stride, mn_bound: p.t, k_bound: p.d };
+    let b = Operand { ptr: p.w as *const u16, stride: p.w_row_stride, mn_bound: p.v_chunk_begin + p.v_chunk, k_bound: p.d };
+    let mut acc: WgAcc<NW> = [[[[0.0; 4]; 8]; 2]; NW];
+    let finish = #[inline(always)]
+    |_: u32, acc: &mut WgAcc<NW>| {
+        unroll!(NW, |nb| {
+            unroll!(2, |h| {
+                // SAFETY: staging per the kernel contract.
+                unsafe { store_dlogits::<1, 8, ENT>(p, &w, m0, n0 + (nb * 128 + h * 64) as u32, half(acc, nb, h), &coeffs) };
+            });
+        });
+    };
+    let kt = p.d.div_ceil(BK as u32);
+    // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
+    unsafe { wg_pipeline::<BM, BN, ST, WGM, NW>(tid, a, b, m0, p.v_chunk_begin + n0, 1, kt, &mut acc, finish) };
+}
+
+/// Backward GEMM `C[m, n] (+)= Σ_k A[m, k] · B[n, k]` with both operands K-major (the host
+/// transposes the staging buffer, `W` chunk and `h` as needed), on the Hopper mainloop.
+///
+/// # Safety
+/// Launched with `WGM·128` threads, grid `(ceil(m/BM), ceil(n/BN))`, the ring's dynamic shared
+/// memory; `p.a` is `[m][a_stride]`, `p.b` is `[n][b_stride]`, both readable in whole 16-byte
+/// chunks up to `k` rounded up to 8 (zeros there); C buffers as for `bwd::gemm`.
+#[inline(always)]
+pub unsafe fn gemm_wg<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize>(p: &GemmParams) {
+    let tid = intrinsics::thread_idx();
+    let w = warp_pos(tid);
+    let m0 = intrinsics::block_idx_x() * BM as u32;
+    let n0 = intrinsics::block_idx_y() * BN as u32;
+    let a = Operand { ptr: p.a as *const u16, stride: p.a_stride, mn_bound: p.m, k_bound: p.k };
+    let b = Operand { ptr: p.b as *const u16, stride: p.b_stride, mn_bound: p.n, k_bound: p.k };
+    let mut acc: WgAcc<NW> = [[[[0.0; 4]; 8]; 2]; NW];
+    let finish = #[inline(always)]
+    |_: u32, acc: &mut WgAcc<NW>| {
+        unroll!(NW, |nb| {
+            unroll!(2, |h| {
+                // SAFETY: C buffers per the kernel contract.
+                unsafe { store_gemm::<1, 8>(p, &w, m0, n0 + (nb * 128 + h * 64) as u32, half(acc, nb, h)) };
+            });
+        });
+    };
+    let kt = p.k.div_ceil(BK as u32);
+    // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
+    unsafe { wg_pipeline::<BM, BN, ST, WGM, NW>(tid, a, b, m0, n0, 1, kt, &mut acc, finish) };
 }

@@ -246,6 +246,28 @@ pub unsafe fn ld_shared_v4(addr: SmemAddr) -> [f32; 4] {
     [a, b, c, d]
 }
 
+/// `st.shared.u16`.
+///
+/// # Safety
+/// `addr` must be a 2-byte aligned shared address with 2 writable bytes.
+#[inline(always)]
+pub unsafe fn st_shared_u16(addr: SmemAddr, v: u16) {
+    // SAFETY: the caller guarantees the address.
+    unsafe { asm!("st.shared.u16 [{p}], {v};", p = in(reg32) addr, v = in(reg16) v, options(nostack)) };
+}
+
+/// `ld.shared.u16`.
+///
+/// # Safety
+/// `addr` must be a 2-byte aligned shared address with 2 readable bytes.
+#[inline(always)]
+pub unsafe fn ld_shared_u16(addr: SmemAddr) -> u16 {
+    let v: u16;
+    // SAFETY: the caller guarantees the address.
+    unsafe { asm!("ld.shared.u16 {v}, [{p}];", p = in(reg32) addr, v = out(reg16) v, options(nostack, readonly)) };
+    v
+}
+
 /// `st.global.v4.f32`.
 ///
 /// # Safety

@@ -38,7 +38,7 @@ pub mod level_00;
 pub mod mainloop;
 pub mod merge;
 
-use lmhead_core::params::{CastParams, GemmParams, LogitsParams, MergeParams, NaiveParams};
+use lmhead_core::params::{CastParams, GemmParams, LogitsParams, MergeParams, NaiveParams, TransposeParams};
 
 #[panic_handler]
 fn panic(_: &core::panic::PanicInfo) -> ! {
@@ -68,6 +68,7 @@ fixed_entry!(lm_head_fwd_rescale, MergeParams, merge::fwd_rescale);
 fixed_entry!(lm_head_fwd_finish, MergeParams, merge::fwd_finish);
 fixed_entry!(lm_head_cast_f32_bf16, CastParams, merge::cast_f32_bf16);
 fixed_entry!(lm_head_naive_fwd, NaiveParams, level_00::naive_fwd);
+fixed_entry!(lm_head_transpose_bf16, TransposeParams, merge::transpose_bf16);
 
 // Silence unused-import warnings when a family has no candidates.
 #[allow(dead_code)]

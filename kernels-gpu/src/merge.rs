@@ -9,7 +9,7 @@
 use crate::fwd::load_label;
 use crate::intrinsics::{self, exp2, log2};
 use lmhead_core::lse::{Lse2, LN_2};
-use lmhead_core::params::{CastParams, MergeParams, Partial, STATUS_BAD_LABEL};
+use lmhead_core::params::{CastParams, MergeParams, Partial, TransposeParams, STATUS_BAD_LABEL};
 
 #[inline(always)]
 fn row_index() -> u32 {
@@ -165,5 +165,52 @@ pub unsafe fn cast_f32_bf16(p: &CastParams) {
             *(p.dst as *mut u16).add(i as usize) = intrinsics::pack_bf16x2(x, 0.0) as u16;
         }
         i += stride;
+    }
+}
+
+/// `dst[c][r] = src[r][c]` (bf16), zero for `rows ≤ r < dst_cols`: 32 × 32 tiles through shared
+/// memory (`[32][34]` u16, padded), 256 threads as 32 × 8, a grid-stride loop over the tiles.
+///
+/// # Safety
+/// Launched with `fixed::THREADS` threads and `32·34·2` bytes of dynamic shared memory; `src`
+/// holds `rows` rows of `src_stride`, `dst` holds `cols` rows of `dst_stride ≥ dst_cols`.
+#[inline(always)]
+pub unsafe fn transpose_bf16(p: &TransposeParams) {
+    let tid = intrinsics::thread_idx();
+    let (tx, ty) = (tid % 32, tid / 32);
+    let smem = intrinsics::smem_base();
+    // `max(1)`: no division by zero (and no panic path) for an empty matrix; `total` is 0 then.
+    let tiles_r = p.dst_cols.div_ceil(32).max(1);
+    let total = if p.dst_cols == 0 { 0 } else { tiles_r as u64 * p.cols.div_ceil(32) as u64 };
+    let mut id = intrinsics::block_idx_x() as u64;
+    while id < total {
+        let r0 = (id % tiles_r as u64) as u32 * 32;
+        let c0 = (id / tiles_r as u64) as u32 * 32;
+        for i in 0..4u32 {
+            let (r, c) = (r0 + ty + 8 * i, c0 + tx);
+            let v = if r < p.rows && c < p.cols {
+                // SAFETY: r < rows, c < cols: inside `src`.
+                unsafe { *(p.src as *const u16).add((r as u64 * p.src_stride + c as u64) as usize) }
+            } else {
+                0
+            };
+            // SAFETY: (ty + 8i) < 32 and tx < 32: inside the [32][34] tile.
+            unsafe { intrinsics::st_shared_u16(smem + ((ty + 8 * i) * 34 + tx) * 2, v) };
+        }
+        // SAFETY: uniform: every thread runs the same tile loop.
+        unsafe { intrinsics::sync_threads() };
+        for i in 0..4u32 {
+            let (c, r) = (c0 + ty + 8 * i, r0 + tx);
+            if c < p.cols && r < p.dst_cols {
+                // SAFETY: the tile element written above; c < cols and r < dst_cols ≤ dst_stride.
+                unsafe {
+                    let v = intrinsics::ld_shared_u16(smem + (tx * 34 + ty + 8 * i) * 2);
+                    *(p.dst as *mut u16).add((c as u64 * p.dst_stride + r as u64) as usize) = v;
+                }
+            }
+        }
+        // SAFETY: uniform, as above; the tile is reused by the next iteration.
+        unsafe { intrinsics::sync_threads() };
+        id += intrinsics::grid_dim_x() as u64;
     }
 }

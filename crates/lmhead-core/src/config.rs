@@ -115,9 +115,14 @@ pub const LOGITS_CANDIDATES: &[TileConfig] = &[
     tc(64, 128, 64, 3, 2, 2),
     tc(128, 64, 64, 3, 2, 2),
     tc(64, 64, 64, 4, 2, 2),
+    wg(2, 128, 4),
+    wg(2, 256, 4),
+    wg(2, 128, 3),
+    wg(4, 128, 4),
 ];
 
-/// Candidates of the backward GEMMs.
+/// Candidates of the backward GEMMs. The `wgmma` ones read both operands K-major: the host
+/// transposes the staging buffer, the `W` chunk and `h` for them.
 pub const GEMM_CANDIDATES: &[TileConfig] = &[
     tc(128, 128, 32, 4, 2, 4),
     tc(128, 256, 32, 3, 2, 4),
@@ -125,6 +130,10 @@ pub const GEMM_CANDIDATES: &[TileConfig] = &[
     tc(128, 128, 64, 3, 2, 4),
     tc(64, 128, 32, 4, 2, 2),
     tc(64, 64, 64, 4, 2, 2),
+    wg(2, 128, 4),
+    wg(2, 256, 4),
+    wg(2, 256, 3),
+    wg(4, 128, 4),
 ];
 
 /// The shared memory an H200 block may use at most (227 KiB).
@@ -238,10 +247,12 @@ pub mod fixed {
     pub const CAST_F32_BF16: &str = "lm_head_cast_f32_bf16";
     /// Level 00 of the ladder: one block per token, plain f32 dot products, no tensor cores.
     pub const NAIVE_FWD: &str = "lm_head_naive_fwd";
+    /// Transposes a bf16 matrix (K-major operands for the Hopper backward GEMMs).
+    pub const TRANSPOSE_BF16: &str = "lm_head_transpose_bf16";
     /// Threads per block of the fixed kernels.
     pub const THREADS: u32 = 256;
     /// All fixed entry points.
-    pub const ALL: [&str; 6] = [FWD_MERGE, FWD_ROW_STATE, FWD_RESCALE, FWD_FINISH, CAST_F32_BF16, NAIVE_FWD];
+    pub const ALL: [&str; 7] = [FWD_MERGE, FWD_ROW_STATE, FWD_RESCALE, FWD_FINISH, CAST_F32_BF16, NAIVE_FWD, TRANSPOSE_BF16];
 }
 
 #[cfg(all(test, feature = "std"))]
