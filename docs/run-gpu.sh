@@ -36,12 +36,15 @@ for s in "${steps[@]}"; do
       done ;;
     quick|sweep|entropy|probe)
       echo "== bench $s"
-      timeout 500 "$B/lmhead-bench" "$s" --out "$OUT/bench.jsonl" ${BUDGET:+--budget-s $BUDGET} 2>>"$OUT/bench.err" | tee "$OUT/bench-$s.md"
+      timeout 500 "$B/lmhead-bench" "$s" --out "$OUT/bench.jsonl" ${BUDGET:+--budget-s $BUDGET} ${BENCH_ARGS:-} 2>>"$OUT/bench.err" | tee -a "$OUT/bench-$s.md"
       tail -3 "$OUT/bench.err" ;;
     sanitize)
       for tool in memcheck racecheck initcheck synccheck; do
         echo "== compute-sanitizer $tool"
-        timeout 600 compute-sanitizer --tool "$tool" --error-exitcode 7 "$B/gpu_reliability" --test-threads=1 --nocapture sanitizer_ 2>&1 | tail -n 15 | tee "$OUT/sanitize-$tool.log"
+        timeout ${SAN_TIMEOUT:-300} compute-sanitizer --tool "$tool" --error-exitcode 7 "$B/gpu_reliability" --test-threads=1 --nocapture sanitizer_ > "$OUT/san.tmp" 2>&1
+        echo "exit $? (7 = errors found, 124 = timed out)" >> "$OUT/san.tmp"
+        { echo "== $tool"; grep -E "ERROR SUMMARY|========= (Invalid|Race|Uninit|Barrier)|test result|panicked|exit " "$OUT/san.tmp" | head -20; } | tee -a "$OUT/sanitize.log"
+        rm -f "$OUT/san.tmp"
       done ;;
     sass)
       # A cubin assembled here by `cargo xtask build-ptx` (target/kernels/lmhead_kernels.cubin),
