@@ -4,8 +4,10 @@
 //! Each TP result is compared with the unsharded GPU run on the same inputs (and the forward also
 //! with the f64 reference). Sharding changes only the merge order of the row states and of the
 //! `dh` partial sums, so the thresholds are tight: log-prob / lse / entropy within `2e-5` of the
-//! unsharded run; `dW` (f32) within relative L2 `1e-5` (the same d-logits columns and the same
-//! K order: identical up to reassociation inside the chunk tiling); `dh` (f32) within `1e-4`.
+//! unsharded run; `dW` and `dh` (f32) within relative L2 `1e-4`: the global lse differs from the
+//! unsharded one by f32 rounding (merge order), which moves `p` by ~1e-7 relative and flips the
+//! bf16 rounding of a few staged d-logits by one ulp (measured on the H200: 2.1e-5 for dW at
+//! n = 8, once; 1e-5 had been too tight).
 
 use std::sync::Arc;
 
@@ -135,7 +137,7 @@ fn tp_case(test: &str, n: usize, v: usize, entropy: bool, reduce: ReduceDh, seed
             assert!(o.ent.is_none());
         }
         let (a, b) = shards[r];
-        check_rel_l2("dW shard", &what, &o.dw, &whole.dw[a * case.d..b * case.d], 1e-5);
+        check_rel_l2("dW shard", &what, &o.dw, &whole.dw[a * case.d..b * case.d], 1e-4);
         if reduce == ReduceDh::AllReduce {
             check_rel_l2("dh (all-reduced)", &what, &o.dh, &whole.dh, 1e-4);
         }
