@@ -184,7 +184,14 @@ fn run_all(test: &str, cases: &[BwdCase]) {
     }
 }
 
-/// Shapes and upstream-gradient combinations; several chunks with a tail; f32 and bf16 outputs.
+/// The first `wgmma` candidates of the backward families (Hopper mainloop for all three).
+fn hopper_configs() -> BwdConfigs {
+    let first = |f: Family| Choice::Fixed(*f.candidates().iter().find(|c| c.wgmma).expect("a wgmma candidate"));
+    BwdConfigs { dlogits: first(Family::BwdDlogits), dh: first(Family::BwdDh), dw: first(Family::BwdDw) }
+}
+
+/// Shapes and upstream-gradient combinations; several chunks with a tail; f32 and bf16 outputs;
+/// the large shapes on both mainloops.
 #[test]
 fn shapes_and_upstreams() {
     let mut cases = Vec::new();
@@ -197,9 +204,19 @@ fn shapes_and_upstreams() {
     }
     let mut c = BwdCase::new(1000, 32000, 2048, Upstream::Both);
     c.dw_f32 = true;
+    cases.push(c.clone());
+    c.config = hopper_configs();
     cases.push(c);
-    cases.push(BwdCase::new(4097, 50257, 4096, Upstream::LogProb));
+    let mut c = BwdCase::new(4097, 50257, 4096, Upstream::LogProb);
+    cases.push(c.clone());
+    c.config = hopper_configs();
+    c.up = Upstream::Both;
+    cases.push(c);
     cases.push(BwdCase::new(1, 151936, 8, Upstream::Both));
+    let mut c = BwdCase::new(64, 1000, 1000, Upstream::Entropy);
+    c.chunk = 300;
+    c.config = hopper_configs();
+    cases.push(c);
     run_all("gpu_bwd::shapes_and_upstreams", &cases);
 }
 
@@ -220,6 +237,8 @@ fn structures() {
         c.max_rel_l2 = (s.huge > 0.0).then_some(EXTREME_REL_L2);
         c.s = s;
         c.chunk = 2048;
+        cases.push(c.clone());
+        c.config = hopper_configs();
         cases.push(c);
     }
     run_all("gpu_bwd::structures", &cases);

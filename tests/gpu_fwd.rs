@@ -166,8 +166,13 @@ fn run_all(test: &str, cases: &[FwdCase]) {
     }
 }
 
+/// The first compiled `wgmma` (Hopper mainloop) candidate of the forward.
+fn hopper_cfg() -> lmhead::TileConfig {
+    *Family::Fwd.candidates().iter().find(|c| c.wgmma).expect("a wgmma candidate")
+}
+
 /// The shape list (not the full cross product: each M, V and H value appears), with
-/// entropy on and off and both label widths.
+/// entropy on and off, both label widths, and both mainloops (`mma.sync` fallback and `wgmma`).
 #[test]
 fn shapes() {
     let mut cases = Vec::new();
@@ -191,6 +196,7 @@ fn shapes() {
         c.i64_labels = i % 3 == 0;
         cases.push(c.clone());
         c.entropy = !c.entropy;
+        c.choice = Choice::Fixed(hopper_cfg());
         cases.push(c);
     }
     run_all("gpu_fwd::shapes", &cases);
@@ -217,6 +223,10 @@ fn structures() {
             let mut c = FwdCase::new(300, 5003, 512);
             c.s = s.clone();
             c.entropy = entropy;
+            // The log-prob-only run on the Hopper mainloop, the entropy run on the fallback.
+            if !entropy {
+                c.choice = Choice::Fixed(hopper_cfg());
+            }
             cases.push(c);
         }
     }
