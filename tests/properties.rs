@@ -91,7 +91,7 @@ fn invalid_inputs_give_the_expected_typed_error() {
             Some("NoTokens")
         } else if v == 0 {
             Some("NoVocab")
-        } else if d == 0 || d % 8 != 0 {
+        } else if d == 0 || !d.is_multiple_of(8) {
             Some("Hidden")
         } else if !(temperature.is_finite() && temperature > 0.0) {
             Some("Temperature")
