@@ -317,9 +317,28 @@ pub fn bwd_gemm(
         }
         _ => return Err(Error::Config(format!("{family:?} is not a GEMM family"))),
     };
+    let (a, b) = (a.check(a_need, 16)?, b.check(k * b_stride, 16)?);
+    launch_gemm(gpu, stream, family, cfg, (m, n, k), (a, a_stride), (b, b_stride), acc, out, mode)
+}
+
+/// The launch shared by both GEMM kinds, after each checked its operands: the C buffers' bounds
+/// for `mode`, then the grid of `(bm × bn)` tiles.
+#[allow(clippy::too_many_arguments)]
+fn launch_gemm(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    family: Family,
+    cfg: TileConfig,
+    (m, n, k): (usize, usize, usize),
+    (a, a_stride): (u64, usize),
+    (b, b_stride): (u64, usize),
+    acc: Option<&Dev>,
+    out: Option<&Dev>,
+    mode: GemmOut,
+) -> Result<()> {
     let mut p = GemmParams {
-        a: a.check(a_need, 16)?,
-        b: b.check(k * b_stride, 16)?,
+        a,
+        b,
         a_stride: a_stride as u64,
         b_stride: b_stride as u64,
         c_stride: n as u64,
@@ -366,28 +385,8 @@ pub fn bwd_gemm_kk(
             "K-major gemm needs n % 8 == 0 and strides ≥ k rounded to 8 (n {n}, k {k}, strides {a_stride}, {b_stride})"
         )));
     }
-    let mut p = GemmParams {
-        a: a.check(m * a_stride, 16)?,
-        b: b.check(n * b_stride, 16)?,
-        a_stride: a_stride as u64,
-        b_stride: b_stride as u64,
-        c_stride: n as u64,
-        m: m as u32,
-        n: n as u32,
-        k: k as u32,
-        accumulate: mode.accumulate as u32,
-        write_acc: mode.write_acc as u32,
-        out_f32: mode.out_f32 as u32,
-        ..Default::default()
-    };
-    if mode.accumulate || mode.write_acc {
-        p.c_acc = acc.ok_or_else(|| Error::Config("gemm: accumulator missing".into()))?.check(m * n, 8)?;
-    }
-    if let Some(o) = out {
-        p.c_out = o.check(m * n, if mode.out_f32 { 8 } else { 4 })?;
-    }
-    let grid = (m.div_ceil(cfg.bm as usize) as u32, n.div_ceil(cfg.bn as usize) as u32);
-    launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)
+    let (a, b) = (a.check(m * a_stride, 16)?, b.check(n * b_stride, 16)?);
+    launch_gemm(gpu, stream, family, cfg, (m, n, k), (a, a_stride), (b, b_stride), acc, out, mode)
 }
 
 /// `dst[c][r] = src[r][c]` for `r < rows`, `c < cols`, zeros for `rows ≤ r < dst_cols` (bf16).

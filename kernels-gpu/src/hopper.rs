@@ -78,7 +78,7 @@ pub unsafe fn wg_pipeline<const BM: usize, const BN: usize, const ST: usize, con
     let threads = WGM * 128;
     let a_bytes = (BM * BK * 2) as u32;
     let stage_bytes = ((BM + BN) * BK * 2) as u32;
-    let load = #[inline(always)]
+    let mut load = #[inline(always)]
     |s: SmemAddr, tile: u32, k: u32| {
         let n0 = n0_first + tile * BN as u32;
         let k0 = k * BK as u32;
@@ -89,21 +89,9 @@ pub unsafe fn wg_pipeline<const BM: usize, const BN: usize, const ST: usize, con
             mainloop::load_tile::<BN, BK, true>(s + a_bytes, b, n0, k0, tid, threads);
         }
     };
-    let prefetch = ST as u32 - 2;
-    let total = n_tiles * kt;
-    let (mut lt, mut lk, mut issued, mut load_stage) = (0u32, 0u32, 0u32, 0u32);
-    for _ in 0..prefetch {
-        if issued < total {
-            load(ring + load_stage * stage_bytes, lt, lk);
-            issued += 1;
-            lk += 1;
-            if lk == kt {
-                lk = 0;
-                lt += 1;
-            }
-        }
-        intrinsics::cp_async_commit();
-        load_stage += 1;
+    let mut producer = mainloop::Producer::<ST>::new(ring, stage_bytes, n_tiles, kt);
+    for _ in 0..ST - 2 {
+        producer.step(&mut load);
     }
     let mut stage = 0u32;
     let mut tile = 0u32;
@@ -114,17 +102,7 @@ pub unsafe fn wg_pipeline<const BM: usize, const BN: usize, const ST: usize, con
             intrinsics::fence_proxy_async_shared();
             // SAFETY: every thread runs the same trip counts.
             unsafe { intrinsics::sync_threads() };
-            if issued < total {
-                load(ring + load_stage * stage_bytes, lt, lk);
-                issued += 1;
-                lk += 1;
-                if lk == kt {
-                    lk = 0;
-                    lt += 1;
-                }
-            }
-            intrinsics::cp_async_commit();
-            load_stage = if load_stage + 1 == ST as u32 { 0 } else { load_stage + 1 };
+            producer.step(&mut load);
 
             let a_s = ring + stage * stage_bytes + wg_row0 * 128;
             let b_s = ring + stage * stage_bytes + a_bytes;

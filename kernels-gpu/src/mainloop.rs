@@ -202,6 +202,43 @@ impl WarpPos {
     }
 }
 
+/// The producer side of a `cp.async` ring: the (tile, k step) whose operands load next, into
+/// which stage. Each `step` issues one stage's loads (while any remain; the loads run across tile
+/// boundaries) and always commits a group, so that group counting stays uniform.
+pub struct Producer<const ST: usize> {
+    ring: SmemAddr,
+    stage_bytes: u32,
+    kt: u32,
+    total: u32,
+    issued: u32,
+    tile: u32,
+    k: u32,
+    stage: u32,
+}
+
+impl<const ST: usize> Producer<ST> {
+    #[inline(always)]
+    pub fn new(ring: SmemAddr, stage_bytes: u32, n_tiles: u32, kt: u32) -> Self {
+        Self { ring, stage_bytes, kt, total: n_tiles * kt, issued: 0, tile: 0, k: 0, stage: 0 }
+    }
+
+    /// Issue the next stage's loads through `load(stage_smem, tile, k)` and commit.
+    #[inline(always)]
+    pub fn step(&mut self, load: &mut impl FnMut(SmemAddr, u32, u32)) {
+        if self.issued < self.total {
+            load(self.ring + self.stage * self.stage_bytes, self.tile, self.k);
+            self.issued += 1;
+            self.k += 1;
+            if self.k == self.kt {
+                self.k = 0;
+                self.tile += 1;
+            }
+        }
+        intrinsics::cp_async_commit();
+        self.stage = if self.stage + 1 == ST as u32 { 0 } else { self.stage + 1 };
+    }
+}
+
 /// The pipelined K loop over `n_tiles` consecutive output tiles (the forward walks several vocab
 /// tiles per block; the other kernels one). `load(stage_smem, tile, k0)` issues the loads of one
 /// stage, `finish(tile, acc)` runs after the last K step of each tile and must leave `acc`
@@ -222,23 +259,10 @@ pub unsafe fn pipeline<const ST: usize, A>(
     mut compute: impl FnMut(SmemAddr, &mut A),
     mut finish: impl FnMut(u32, &mut A),
 ) {
-    let total = n_tiles * kt;
-    // Producer position (tile, k step) of the next stage to load.
-    let (mut lt, mut lk, mut issued) = (0u32, 0u32, 0u32);
-    let mut load_stage = 0u32;
     // Prologue: fill ST − 1 stages.
+    let mut producer = Producer::<ST>::new(ring, stage_bytes, n_tiles, kt);
     for _ in 0..ST - 1 {
-        if issued < total {
-            load(ring + load_stage * stage_bytes, lt, lk);
-            issued += 1;
-            lk += 1;
-            if lk == kt {
-                lk = 0;
-                lt += 1;
-            }
-        }
-        intrinsics::cp_async_commit();
-        load_stage += 1;
+        producer.step(&mut load);
     }
     // Main loop: the consumer walks (tile, k); the producer runs ST − 1 stages ahead, across tile
     // boundaries. `finish` sits after the K loop (not inside it), so its loop-invariant address
@@ -253,17 +277,7 @@ pub unsafe fn pipeline<const ST: usize, A>(
             unsafe { intrinsics::sync_threads() };
             // The stage loaded now was consumed in the previous iteration, which every warp has
             // finished (barrier above).
-            if issued < total {
-                load(ring + load_stage * stage_bytes, lt, lk);
-                issued += 1;
-                lk += 1;
-                if lk == kt {
-                    lk = 0;
-                    lt += 1;
-                }
-            }
-            intrinsics::cp_async_commit();
-            load_stage = if load_stage + 1 == ST as u32 { 0 } else { load_stage + 1 };
+            producer.step(&mut load);
 
             compute(ring + stage * stage_bytes, acc);
             stage = if stage + 1 == ST as u32 { 0 } else { stage + 1 };
