@@ -40,19 +40,19 @@ fn picks_the_fastest_correct_candidate_and_records_why() {
     answers[2] = None;
     times[3] = 3.0; // the winner
     let tuner = Tuner::new(true, None, Cache::open(None, "fake"));
-    let w = tuner.pick_with(&key(3000), Choice::Auto, &mut fake(times, answers)).unwrap();
+    let w = tuner.pick(&key(3000), Choice::Auto, &mut fake(times, answers)).unwrap();
     assert_eq!(w, Family::Fwd.candidates()[3]);
     let e = tuner.entry(&key(3000)).unwrap();
     assert!(matches!(e.candidates[1].1, Outcome::Wrong { .. }), "{:?}", e.candidates[1]);
     assert!(matches!(e.candidates[2].1, Outcome::Failed { .. }));
     assert!(matches!(e.candidates[3].1, Outcome::Timed { ms } if ms == 3.0));
     // Same bucket: no new trials.
-    let again = tuner.pick_with(&key(4000), Choice::Auto, &mut |_| panic!("same bucket must not retune")).unwrap();
+    let again = tuner.pick(&key(4000), Choice::Auto, &mut |_| panic!("same bucket must not retune")).unwrap();
     assert_eq!(again, w);
     // Next bucket: tunes again.
     let mut calls = 0;
     tuner
-        .pick_with(&key(4097), Choice::Auto, &mut |c| {
+        .pick(&key(4097), Choice::Auto, &mut |c| {
             calls += 1;
             Ok(Trial { ms: 1.0 + c.bm as f64, check: vec![1.0] })
         })
@@ -64,18 +64,18 @@ fn picks_the_fastest_correct_candidate_and_records_why() {
 fn disabled_fallback_and_fixed() {
     let tuner = Tuner::new(false, None, Cache::open(None, "fake"));
     let mut never = |_: TileConfig| -> lmhead::Result<Trial> { panic!("tuning is disabled") };
-    assert_eq!(tuner.pick_with(&key(10), Choice::Auto, &mut never).unwrap(), Family::Fwd.fallback());
-    assert_eq!(tuner.pick_with(&key(10), Choice::Fallback, &mut never).unwrap(), Family::Fwd.fallback());
+    assert_eq!(tuner.pick(&key(10), Choice::Auto, &mut never).unwrap(), Family::Fwd.fallback());
+    assert_eq!(tuner.pick(&key(10), Choice::Fallback, &mut never).unwrap(), Family::Fwd.fallback());
     let c = Family::Fwd.candidates()[2];
-    assert_eq!(tuner.pick_with(&key(10), Choice::Fixed(c), &mut never).unwrap(), c);
+    assert_eq!(tuner.pick(&key(10), Choice::Fixed(c), &mut never).unwrap(), c);
     let bogus = TileConfig { bm: 48, bn: 48, bk: 48, stages: 1, warps_m: 1, warps_n: 1, wgmma: false };
-    assert!(matches!(tuner.pick_with(&key(10), Choice::Fixed(bogus), &mut never), Err(Error::Config(_))));
+    assert!(matches!(tuner.pick(&key(10), Choice::Fixed(bogus), &mut never), Err(Error::Config(_))));
 }
 
 #[test]
 fn every_candidate_failing_is_an_error_not_a_panic() {
     let tuner = Tuner::new(true, None, Cache::open(None, "fake"));
-    let r = tuner.pick_with(&key(10), Choice::Auto, &mut |_| Err(Error::Config("broken".into())));
+    let r = tuner.pick(&key(10), Choice::Auto, &mut |_| Err(Error::Config("broken".into())));
     assert!(matches!(r, Err(Error::Config(_))));
 }
 
@@ -85,10 +85,10 @@ fn cache_round_trip_across_instances() {
     let path = dir.join("dev.json");
     let t1 = Tuner::new(true, None, Cache::open(Some(path.clone()), "dev"));
     let n = Family::Fwd.candidates().len();
-    let w = t1.pick_with(&key(100), Choice::Auto, &mut fake((0..n).map(|i| 5.0 - i as f64 * 0.1).collect(), vec![Some(1.0); n])).unwrap();
+    let w = t1.pick(&key(100), Choice::Auto, &mut fake((0..n).map(|i| 5.0 - i as f64 * 0.1).collect(), vec![Some(1.0); n])).unwrap();
     // A new process (a new cache instance) reads the winner without timing anything.
     let t2 = Tuner::new(true, None, Cache::open(Some(path.clone()), "dev"));
-    assert_eq!(t2.pick_with(&key(100), Choice::Auto, &mut |_| panic!("cached")).unwrap(), w);
+    assert_eq!(t2.pick(&key(100), Choice::Auto, &mut |_| panic!("cached")).unwrap(), w);
     assert_eq!(t2.entry(&key(100)).unwrap().candidates.len(), n, "every timing is kept");
 }
 
@@ -98,7 +98,7 @@ fn corrupt_truncated_and_stale_files_are_retuned() {
     let path = dir.join("dev.json");
     let n = Family::Fwd.candidates().len();
     let t = Tuner::new(true, None, Cache::open(Some(path.clone()), "dev"));
-    t.pick_with(&key(100), Choice::Auto, &mut fake(vec![1.0; n], vec![Some(1.0); n])).unwrap();
+    t.pick(&key(100), Choice::Auto, &mut fake(vec![1.0; n], vec![Some(1.0); n])).unwrap();
     let good = std::fs::read_to_string(&path).unwrap();
     for bad in [good[..good.len() / 2].to_string(), "not json at all".to_string(), String::new()] {
         std::fs::write(&path, &bad).unwrap();
@@ -106,7 +106,7 @@ fn corrupt_truncated_and_stale_files_are_retuned() {
         assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
         let t = Tuner::new(true, None, c);
         let mut calls = 0;
-        t.pick_with(&key(100), Choice::Auto, &mut |_| {
+        t.pick(&key(100), Choice::Auto, &mut |_| {
             calls += 1;
             Ok(Trial { ms: 1.0, check: vec![1.0] })
         })
@@ -129,8 +129,8 @@ fn unwritable_directory_keeps_results_in_memory() {
     // A path whose parent is a regular file cannot be created.
     let c = Cache::open(Some(blocker.join("sub").join("dev.json")), "dev");
     let t = Tuner::new(true, None, c);
-    let w = t.pick_with(&key(100), Choice::Auto, &mut |_| Ok(Trial { ms: 1.0, check: vec![1.0] })).unwrap();
-    assert_eq!(t.pick_with(&key(100), Choice::Auto, &mut |_| panic!("in memory")).unwrap(), w);
+    let w = t.pick(&key(100), Choice::Auto, &mut |_| Ok(Trial { ms: 1.0, check: vec![1.0] })).unwrap();
+    assert_eq!(t.pick(&key(100), Choice::Auto, &mut |_| panic!("in memory")).unwrap(), w);
 }
 
 #[test]
@@ -144,7 +144,7 @@ fn concurrent_writers_keep_both_results() {
                 let t = Tuner::new(true, None, Cache::open(Some(path), "dev"));
                 for j in 0..5 {
                     let k = key(1usize << (8 + (i * 5 + j) % 14));
-                    t.pick_with(&k, Choice::Auto, &mut |_| Ok(Trial { ms: 1.0, check: vec![1.0] })).unwrap();
+                    t.pick(&k, Choice::Auto, &mut |_| Ok(Trial { ms: 1.0, check: vec![1.0] })).unwrap();
                 }
             })
         })

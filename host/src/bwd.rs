@@ -313,7 +313,7 @@ impl LmHead {
             let step = (v.len() / 4096).max(1);
             v.iter().step_by(step).map(|&x| x as f64).collect()
         };
-        let cfg_dl = self.tuner.pick(&TuneKey::new(fam_dl, chunk_problem, tp), choice.dlogits, &self.gpu, &mut |cfg| {
+        let cfg_dl = self.tuner.pick(&TuneKey::new(fam_dl, chunk_problem, tp), choice.dlogits, &mut |cfg| {
             let (st, _, _, _) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
             let ms = crate::tune::bench::time_ms(stream, || {
                 let sd = dev_out(&mut *st, stream, "tuning staging")?;
@@ -328,7 +328,7 @@ impl LmHead {
             let sd = dev_out(&mut *st, stream, "tuning staging")?;
             launch::bwd_dlogits(&self.gpu, stream, cfg_dl, dims, sc, (0, chunk, stride), h, w, labels, lse, gl, ent, &sd)?;
         }
-        let cfg_dh = self.tuner.pick(&TuneKey::new(Family::BwdDh, chunk_problem, tp), choice.dh, &self.gpu, &mut |cfg| {
+        let cfg_dh = self.tuner.pick(&TuneKey::new(Family::BwdDh, chunk_problem, tp), choice.dh, &mut |cfg| {
             let (st, acc, _, (wt, _, _)) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
             let ms = crate::tune::bench::time_ms(stream, || {
                 let sd = dev_in(&*st, stream, "tuning staging")?;
@@ -340,7 +340,7 @@ impl LmHead {
             let host = stream.clone_dtoh(&*acc).during(|| "reading tuning dh".into())?;
             Ok(crate::tune::Trial { ms, check: sample(&host) })
         })?;
-        let cfg_dw = self.tuner.pick(&TuneKey::new(Family::BwdDw, chunk_problem, tp), choice.dw, &self.gpu, &mut |cfg| {
+        let cfg_dw = self.tuner.pick(&TuneKey::new(Family::BwdDw, chunk_problem, tp), choice.dw, &mut |cfg| {
             let (st, _, out, (_, stt, ht)) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
             {
                 // hᵀ once per call, as in the real backward (outside the timing).

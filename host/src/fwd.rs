@@ -216,7 +216,7 @@ impl LmHead {
     ) -> Result<TileConfig> {
         let key = TuneKey::new(family, p, tp);
         let dims = Dims { t: p.t, v: p.v, d: p.d };
-        self.tuner.pick(&key, choice, &self.gpu, &mut |cfg| {
+        self.tuner.pick(&key, choice, &mut |cfg| {
             let tps = self.plan_split(family, cfg, p)?;
             let n = split_count(cfg, p, tps);
             let mut partials = stream

@@ -133,19 +133,9 @@ impl Tuner {
         family.candidates().iter().map(|&c| (c, can_implement(c, self.device.as_ref(), p))).collect()
     }
 
-    /// The config for `key` under `choice`; tunes with `trial` on a cache miss.
-    pub fn pick(
-        &self,
-        key: &TuneKey,
-        choice: Choice,
-        _device: &crate::device::Gpu,
-        trial: &mut dyn FnMut(TileConfig) -> Result<Trial>,
-    ) -> Result<TileConfig> {
-        self.pick_with(key, choice, trial)
-    }
-
-    /// [`Tuner::pick`] without a device (the tuner's logic; tests drive it with fake trials).
-    pub fn pick_with(&self, key: &TuneKey, choice: Choice, trial: &mut dyn FnMut(TileConfig) -> Result<Trial>) -> Result<TileConfig> {
+    /// The config for `key` under `choice`; tunes with `trial` on a cache miss (tests drive it
+    /// with fake trials).
+    pub fn pick(&self, key: &TuneKey, choice: Choice, trial: &mut dyn FnMut(TileConfig) -> Result<Trial>) -> Result<TileConfig> {
         let family = key.family;
         match choice {
             Choice::Fixed(c) => {
