@@ -184,9 +184,15 @@ fn run_all(test: &str, cases: &[BwdCase]) {
     }
 }
 
-/// The first `wgmma` candidates of the backward families (Hopper mainloop for all three).
+/// The first `wgmma` candidates (`cp.async` ring) of the backward families.
 fn hopper_configs() -> BwdConfigs {
-    let first = |f: Family| Choice::Fixed(*f.candidates().iter().find(|c| c.wgmma).expect("a wgmma candidate"));
+    let first = |f: Family| Choice::Fixed(*f.candidates().iter().find(|c| c.wgmma && !c.tma).expect("a wgmma candidate"));
+    BwdConfigs { dlogits: first(Family::BwdDlogits), dh: first(Family::BwdDh), dw: first(Family::BwdDw) }
+}
+
+/// The first warp-specialised TMA candidates of the backward families.
+fn tma_configs() -> BwdConfigs {
+    let first = |f: Family| Choice::Fixed(*f.candidates().iter().find(|c| c.tma).expect("a TMA candidate"));
     BwdConfigs { dlogits: first(Family::BwdDlogits), dh: first(Family::BwdDh), dw: first(Family::BwdDw) }
 }
 
@@ -206,16 +212,22 @@ fn shapes_and_upstreams() {
     c.dw_f32 = true;
     cases.push(c.clone());
     c.config = hopper_configs();
+    cases.push(c.clone());
+    c.config = tma_configs();
     cases.push(c);
     let mut c = BwdCase::new(4097, 50257, 4096, Upstream::LogProb);
     cases.push(c.clone());
     c.config = hopper_configs();
     c.up = Upstream::Both;
+    cases.push(c.clone());
+    c.config = tma_configs();
     cases.push(c);
     cases.push(BwdCase::new(1, 151936, 8, Upstream::Both));
     let mut c = BwdCase::new(64, 1000, 1000, Upstream::Entropy);
     c.chunk = 300;
     c.config = hopper_configs();
+    cases.push(c.clone());
+    c.config = tma_configs();
     cases.push(c);
     run_all("gpu_bwd::shapes_and_upstreams", &cases);
 }
@@ -239,6 +251,8 @@ fn structures() {
         c.chunk = 2048;
         cases.push(c.clone());
         c.config = hopper_configs();
+        cases.push(c.clone());
+        c.config = tma_configs();
         cases.push(c);
     }
     run_all("gpu_bwd::structures", &cases);

@@ -166,13 +166,19 @@ fn run_all(test: &str, cases: &[FwdCase]) {
     }
 }
 
-/// The first compiled `wgmma` (Hopper mainloop) candidate of the forward.
+/// The first compiled `wgmma` (Hopper mainloop, `cp.async` ring) candidate of the forward.
 fn hopper_cfg() -> lmhead::TileConfig {
-    *Family::Fwd.candidates().iter().find(|c| c.wgmma).expect("a wgmma candidate")
+    *Family::Fwd.candidates().iter().find(|c| c.wgmma && !c.tma).expect("a wgmma candidate")
+}
+
+/// The first compiled warp-specialised TMA candidate of the forward.
+fn tma_cfg() -> lmhead::TileConfig {
+    *Family::Fwd.candidates().iter().find(|c| c.tma).expect("a TMA candidate")
 }
 
 /// The shape list (not the full cross product: each M, V and H value appears), with
-/// entropy on and off, both label widths, and both mainloops (`mma.sync` fallback and `wgmma`).
+/// entropy on and off, both label widths, and the three mainloops (`mma.sync` fallback, `wgmma`
+/// with a `cp.async` ring, warp-specialised TMA + `wgmma`).
 #[test]
 fn shapes() {
     let mut cases = Vec::new();
@@ -197,6 +203,10 @@ fn shapes() {
         cases.push(c.clone());
         c.entropy = !c.entropy;
         c.choice = Choice::Fixed(hopper_cfg());
+        cases.push(c.clone());
+        c.choice = Choice::Fixed(tma_cfg());
+        cases.push(c.clone());
+        c.entropy = !c.entropy;
         cases.push(c);
     }
     run_all("gpu_fwd::shapes", &cases);
@@ -223,10 +233,13 @@ fn structures() {
             let mut c = FwdCase::new(300, 5003, 512);
             c.s = s.clone();
             c.entropy = entropy;
-            // The log-prob-only run on the Hopper mainloop, the entropy run on the fallback.
+            // The log-prob-only run on the Hopper mainloop, the entropy run on the fallback, and
+            // both on the TMA mainloop.
             if !entropy {
                 c.choice = Choice::Fixed(hopper_cfg());
             }
+            cases.push(c.clone());
+            c.choice = Choice::Fixed(tma_cfg());
             cases.push(c);
         }
     }

@@ -9,7 +9,9 @@
 //! - **bounds**: the length checks in each function cover every element the kernel touches for
 //!   the launched grid (the kernels mask rows ≥ t, columns ≥ v and K tails).
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop};
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop};
 use lmhead_core::config::{fixed, kernel_name, Family, TileConfig};
 use lmhead_core::params::{CastParams, GemmParams, LogitsParams, MergeParams, NaiveParams, TransposeParams, LABELS_I32, LABELS_I64};
 
@@ -139,6 +141,81 @@ where
     Ok(())
 }
 
+/// A K-major bf16 operand of a TMA config: `rows` rows of `k` elements, `stride` elements apart,
+/// loaded in boxes of 64 (K) × `box_rows`.
+#[derive(Clone, Copy, Debug)]
+struct TmaOperand {
+    ptr: u64,
+    rows: usize,
+    k: usize,
+    stride: usize,
+    box_rows: u32,
+}
+
+/// The tensor map of one operand: 2-D, bf16, 128-byte swizzle (the layout the `wgmma`
+/// descriptors read), out-of-bounds elements zero-filled, 256-byte L2 promotion.
+fn encode_tmap(op: TmaOperand) -> Result<[u8; 128]> {
+    let elem = 2usize;
+    if !op.ptr.is_multiple_of(16) || !(op.stride * elem).is_multiple_of(16) || op.stride < op.k || op.rows == 0 || op.k == 0 {
+        return Err(Error::Config(format!("no tensor map for {op:?}: 16-byte aligned rows and base needed")));
+    }
+    if op.rows > u32::MAX as usize || op.k > u32::MAX as usize || op.box_rows == 0 || op.box_rows > 256 {
+        return Err(Error::Config(format!("no tensor map for {op:?}: dimensions out of range")));
+    }
+    let dims: [u64; 2] = [op.k as u64, op.rows as u64];
+    let strides: [u64; 1] = [(op.stride * elem) as u64];
+    let boxes: [u32; 2] = [64, op.box_rows];
+    let elem_strides: [u32; 2] = [1, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: every pointer argument points to a live local array of the length the rank (2)
+    // implies (`strides` has rank − 1 entries); `map` is writable, 64-byte aligned storage for
+    // one CUtensorMap; the global address is only recorded here, not dereferenced.
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            op.ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::Config(format!("cuTensorMapEncodeTiled failed ({r:?}) for {op:?}")));
+    }
+    // SAFETY: the call succeeded, so it initialised the map (and `zeroed` covered it before).
+    let map = unsafe { map.assume_init() };
+    let mut bytes = [0u8; 128];
+    for (chunk, word) in bytes.chunks_exact_mut(8).zip(map.opaque.iter()) {
+        chunk.copy_from_slice(&word.to_le_bytes());
+    }
+    Ok(bytes)
+}
+
+/// The two tensor maps (A, then B) of a TMA launch in device memory, stream-ordered before the
+/// kernel. Keep the returned buffer until the launch is queued: dropping it frees it on the same
+/// stream, after the kernel.
+fn tma_maps(stream: &Arc<CudaStream>, a: TmaOperand, b: TmaOperand) -> Result<CudaSlice<u8>> {
+    let mut both = [0u8; 256];
+    both[..128].copy_from_slice(&encode_tmap(a)?);
+    both[128..].copy_from_slice(&encode_tmap(b)?);
+    let dev = stream.clone_htod(&both).during(|| "copying tensor maps to the device".to_string())?;
+    if !slice_addr(&dev, stream).is_multiple_of(64) {
+        return Err(Error::Config("tensor-map buffer is not 64-byte aligned".into()));
+    }
+    Ok(dev)
+}
+
+fn slice_addr(s: &CudaSlice<u8>, stream: &CudaStream) -> u64 {
+    s.device_ptr(stream).0
+}
+
 /// Scalars shared by the logits kernels.
 #[derive(Clone, Copy, Debug)]
 pub struct Scalars {
@@ -177,7 +254,7 @@ fn check_hw(h: &Dev, w: &Dev, labels: &Labels, dims: Dims) -> Result<(u64, u64, 
 #[allow(clippy::too_many_arguments)]
 pub fn fwd_mainloop(
     gpu: &Gpu,
-    stream: &CudaStream,
+    stream: &Arc<CudaStream>,
     entropy: bool,
     cfg: TileConfig,
     tiles_per_split: u32,
@@ -211,8 +288,18 @@ pub fn fwd_mainloop(
         ..Default::default()
     };
     sc.fill(&mut p);
+    let maps = match cfg.tma {
+        true => Some(tma_maps(
+            stream,
+            TmaOperand { ptr: hp, rows: dims.t, k: dims.d, stride: dims.d, box_rows: cfg.bm as u32 },
+            TmaOperand { ptr: wp, rows: dims.v, k: dims.d, stride: dims.d, box_rows: cfg.bn as u32 },
+        )?),
+        false => None,
+    };
+    p.tmaps = maps.as_ref().map_or(0, |m| slice_addr(m, stream));
     let grid = (dims.t.div_ceil(cfg.bm as usize) as u32, n_splits);
     launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
+    drop(maps);
     Ok(n_splits)
 }
 
@@ -221,7 +308,7 @@ pub fn fwd_mainloop(
 #[allow(clippy::too_many_arguments)]
 pub fn bwd_dlogits(
     gpu: &Gpu,
-    stream: &CudaStream,
+    stream: &Arc<CudaStream>,
     cfg: TileConfig,
     dims: Dims,
     sc: Scalars,
@@ -267,9 +354,21 @@ pub fn bwd_dlogits(
         None => Family::BwdDlogits,
     };
     sc.fill(&mut p);
+    // The B map ends at the chunk: rows beyond it load as zeros, as the `cp.async` path's bound.
+    let maps = match cfg.tma {
+        true => Some(tma_maps(
+            stream,
+            TmaOperand { ptr: hp, rows: dims.t, k: dims.d, stride: dims.d, box_rows: cfg.bm as u32 },
+            TmaOperand { ptr: wp, rows: chunk_begin + chunk, k: dims.d, stride: dims.d, box_rows: cfg.bn as u32 },
+        )?),
+        false => None,
+    };
+    p.tmaps = maps.as_ref().map_or(0, |m| slice_addr(m, stream));
     // Columns beyond the chunk up to a whole tile are written only below `stride`.
     let grid = (dims.t.div_ceil(cfg.bm as usize) as u32, stride.div_ceil(cfg.bn as usize) as u32);
-    launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)
+    launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
+    drop(maps);
+    Ok(())
 }
 
 /// How a backward GEMM treats its f32 accumulator and output.
@@ -288,7 +387,7 @@ pub struct GemmOut {
 #[allow(clippy::too_many_arguments)]
 pub fn bwd_gemm(
     gpu: &Gpu,
-    stream: &CudaStream,
+    stream: &Arc<CudaStream>,
     family: Family,
     cfg: TileConfig,
     (m, n, k): (usize, usize, usize),
@@ -298,6 +397,9 @@ pub fn bwd_gemm(
     out: Option<&Dev>,
     mode: GemmOut,
 ) -> Result<()> {
+    if cfg.wgmma {
+        return Err(Error::Config(format!("{cfg:?} reads K-major operands: use bwd_gemm_kk")));
+    }
     if n % 8 != 0 || a_stride % 8 != 0 || b_stride % 8 != 0 || b_stride < n {
         return Err(Error::Config(format!("gemm needs n, strides multiples of 8 (n {n}, strides {a_stride}, {b_stride})")));
     }
@@ -326,7 +428,7 @@ pub fn bwd_gemm(
 #[allow(clippy::too_many_arguments)]
 fn launch_gemm(
     gpu: &Gpu,
-    stream: &CudaStream,
+    stream: &Arc<CudaStream>,
     family: Family,
     cfg: TileConfig,
     (m, n, k): (usize, usize, usize),
@@ -356,8 +458,20 @@ fn launch_gemm(
     if let Some(o) = out {
         p.c_out = o.check(m * n, if mode.out_f32 { 8 } else { 4 })?;
     }
+    // TMA configs are K-major (only `bwd_gemm_kk` passes them here).
+    let maps = match cfg.tma {
+        true => Some(tma_maps(
+            stream,
+            TmaOperand { ptr: a, rows: m, k, stride: a_stride, box_rows: cfg.bm as u32 },
+            TmaOperand { ptr: b, rows: n, k, stride: b_stride, box_rows: cfg.bn as u32 },
+        )?),
+        false => None,
+    };
+    p.tmaps = maps.as_ref().map_or(0, |m| slice_addr(m, stream));
     let grid = (m.div_ceil(cfg.bm as usize) as u32, n.div_ceil(cfg.bn as usize) as u32);
-    launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)
+    launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
+    drop(maps);
+    Ok(())
 }
 
 /// `C[m][n] (+)= Σ_k A[m][k] · B[n][k]` on the Hopper `wgmma` GEMM: both operands K-major
@@ -366,7 +480,7 @@ fn launch_gemm(
 #[allow(clippy::too_many_arguments)]
 pub fn bwd_gemm_kk(
     gpu: &Gpu,
-    stream: &CudaStream,
+    stream: &Arc<CudaStream>,
     family: Family,
     cfg: TileConfig,
     (m, n, k): (usize, usize, usize),

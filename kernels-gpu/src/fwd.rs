@@ -125,7 +125,7 @@ pub unsafe fn fwd<
 
     // ---- Epilogue: reduce the row states of the block and write the partials ---------------
     // SAFETY: all threads reach this with the ring drained (the pipeline ends behind a barrier).
-    unsafe { store_partials::<BM, WN, MI, ENT>(p, &w, &mut st, &mut z_label, m0, split, ring) };
+    unsafe { store_partials::<BM, WN, MI, ENT>(p, &w, &mut st, &mut z_label, m0, split, ring, threads as u32) };
 }
 
 /// The block's final reduction: merge the row states of the four lanes that share a row (quad
@@ -133,8 +133,10 @@ pub unsafe fn fwd<
 /// row of this block and split.
 ///
 /// # Safety
-/// Called by every thread of the block once (it has a barrier), after the last use of the ring:
-/// `smem` must have `WN · BM · 16` bytes that no one else reads or writes any more.
+/// Called once by the `threads` threads that hold row states (every thread of an `mma.sync`
+/// block, the consumer warpgroups of a warp-specialised one; it has a named barrier for exactly
+/// those), after the last use of the ring: `smem` must have `WN · BM · 16` bytes that no one
+/// else reads or writes any more.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn store_partials<const BM: usize, const WN: usize, const MI: usize, const ENT: bool>(
@@ -145,6 +147,7 @@ pub unsafe fn store_partials<const BM: usize, const WN: usize, const MI: usize, 
     m0: u32,
     split: u32,
     smem: u32,
+    threads: u32,
 ) {
     // Quad reduction: lanes 4g..4g+3 hold the same rows.
     unroll!(MI, |mi| {
@@ -183,8 +186,8 @@ pub unsafe fn store_partials<const BM: usize, const WN: usize, const MI: usize, 
             });
         });
     }
-    // SAFETY: every thread reaches this barrier once.
-    unsafe { intrinsics::sync_threads() };
+    // SAFETY: the caller's `threads` threads (all that compute rows) reach this barrier once.
+    unsafe { intrinsics::named_barrier::<1>(threads) };
     let row = w.tid;
     if (row as usize) < BM && m0 + row < p.t {
         let mut x = Lse2::<f32>::EMPTY;

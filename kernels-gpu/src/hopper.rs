@@ -39,6 +39,9 @@ fn wait_prefetched<const ST: usize>() {
         3 => intrinsics::cp_async_wait::<0>(),
         4 => intrinsics::cp_async_wait::<1>(),
         5 => intrinsics::cp_async_wait::<2>(),
+        6 => intrinsics::cp_async_wait::<3>(),
+        7 => intrinsics::cp_async_wait::<4>(),
+        8 => intrinsics::cp_async_wait::<5>(),
         _ => intrinsics::cp_async_wait::<0>(),
     }
 }
@@ -69,7 +72,7 @@ pub unsafe fn wg_pipeline<const BM: usize, const BN: usize, const ST: usize, con
     mut finish: impl FnMut(u32, &mut WgAcc<NW>),
 ) {
     const {
-        assert!(BM == 64 * WGM && BN == 128 * NW && ST >= 3 && ST <= 5);
+        assert!(BM == 64 * WGM && BN == 128 * NW && ST >= 3 && ST <= 8);
         assert!(BM * BK / 8 % (WGM * 128) == 0 && BN * BK / 8 % (WGM * 128) == 0);
     }
     let warp = tid >> 5;
@@ -134,6 +137,257 @@ pub unsafe fn wg_pipeline<const BM: usize, const BN: usize, const ST: usize, con
     unsafe { intrinsics::sync_threads() };
 }
 
+/// Registers per thread of the producer warpgroup of a TMA kernel after `setmaxnreg.dec`.
+const PRODUCER_REGS: u32 = 40;
+
+/// Registers per thread of each consumer warpgroup after `setmaxnreg.inc`: what the block was
+/// launched with (ptxas gives each of the `(WGM + 1)·128` threads at most 65 536 / threads,
+/// rounded down to a multiple of 8) minus the producer's, shared by the consumers, at most 232.
+/// Two consumer warpgroups: 168 at launch, 232 after (`128·40 + 256·232 = 64 512`).
+const fn consumer_regs(wgm: usize) -> u32 {
+    let threads = (wgm as u32 + 1) * 128;
+    let launch = (65536 / threads) / 8 * 8;
+    let launch = if launch > 255 { 248 } else { launch };
+    let pool = launch * threads - 128 * PRODUCER_REGS;
+    let per = pool / (wgm as u32 * 128) / 8 * 8;
+    if per > 232 {
+        232
+    } else {
+        per
+    }
+}
+
+/// The mbarriers of a TMA ring, after the `ST` stages in shared memory: `full[s]` completes when
+/// stage `s` has landed (one arrival by the producer plus the stage's bytes), `empty[s]` when
+/// every consumer warpgroup has finished reading it (`WGM` arrivals).
+#[derive(Clone, Copy)]
+struct TmaRing {
+    ring: SmemAddr,
+    stage_bytes: u32,
+    a_bytes: u32,
+    bars: SmemAddr,
+    stages: u32,
+}
+
+impl TmaRing {
+    #[inline(always)]
+    fn new<const BM: usize, const BN: usize, const ST: usize>() -> Self {
+        let ring = intrinsics::smem_base();
+        let stage_bytes = ((BM + BN) * BK * 2) as u32;
+        Self { ring, stage_bytes, a_bytes: (BM * BK * 2) as u32, bars: ring + ST as u32 * stage_bytes, stages: ST as u32 }
+    }
+
+    #[inline(always)]
+    fn full(&self, s: u32) -> SmemAddr {
+        self.bars + 8 * s
+    }
+
+    #[inline(always)]
+    fn empty(&self, s: u32) -> SmemAddr {
+        self.bars + 8 * (self.stages + s)
+    }
+
+    #[inline(always)]
+    fn stage(&self, s: u32) -> SmemAddr {
+        self.ring + s * self.stage_bytes
+    }
+}
+
+/// Start of a warp-specialised TMA kernel: initialise the ring's mbarriers, then split the
+/// block. The last warpgroup is the producer: its first thread walks the same `(tile, k)`
+/// sequence as the consumers and, for each, waits until the stage is free, then has the tensor
+/// memory accelerator load the A box `(k·64, m0)` and the B box `(k·64, n0_first + tile·BN)` into
+/// it; the producer threads then exit (they never return from this function). The first `WGM`
+/// warpgroups return, with more registers, to run the prologue, [`tma_pipeline`] and the
+/// epilogue.
+///
+/// # Safety
+/// Called first thing by all `(WGM + 1)·128` threads of the block with the same arguments except
+/// `tid`; the dynamic shared memory holds the ring and `2·ST` mbarriers after it; `tmaps` points
+/// to two tensor maps in global memory (A, then B, 128 bytes each) of bf16 K-major operands with
+/// 64 × BM and 64 × BN boxes and the 128-byte swizzle.
+#[inline(always)]
+pub unsafe fn tma_split<const BM: usize, const BN: usize, const ST: usize, const WGM: usize>(
+    tid: u32,
+    tmaps: u64,
+    m0: u32,
+    n0_first: u32,
+    n_tiles: u32,
+    kt: u32,
+) {
+    const { assert!(BM == 64 * WGM && (BN == 128 || BN == 256) && ST >= 2 && ST <= 8) };
+    let r = TmaRing::new::<BM, BN, ST>();
+    if tid == 0 {
+        for s in 0..ST as u32 {
+            // SAFETY: 8-byte aligned slots after the ring (stage sizes are multiples of 1024),
+            // inside the launch's dynamic shared memory; no other thread touches them before the
+            // barrier below.
+            unsafe {
+                intrinsics::mbar_init(r.full(s), 1);
+                intrinsics::mbar_init(r.empty(s), WGM as u32);
+            }
+        }
+        intrinsics::fence_mbarrier_init();
+    }
+    // SAFETY: every thread of the block calls this function once, before any other barrier.
+    unsafe { intrinsics::sync_threads() };
+    let consumers = (WGM * 128) as u32;
+    if tid < consumers {
+        const R1: u32 = consumer_regs(1);
+        const R2: u32 = consumer_regs(2);
+        const R4: u32 = consumer_regs(4);
+        // SAFETY: whole consumer warpgroups execute this together; `consumer_regs` keeps the
+        // block within the registers it was launched with.
+        unsafe {
+            match WGM {
+                1 => intrinsics::setmaxnreg_inc::<R1>(),
+                2 => intrinsics::setmaxnreg_inc::<R2>(),
+                4 => intrinsics::setmaxnreg_inc::<R4>(),
+                _ => intrinsics::trap(),
+            }
+        }
+        return;
+    }
+    // SAFETY: the whole producer warpgroup executes this together.
+    unsafe { intrinsics::setmaxnreg_dec::<PRODUCER_REGS>() };
+    if tid == consumers {
+        let ta = tmaps as *const u8;
+        let tb = ta.wrapping_add(128);
+        // SAFETY: the caller passes two tensor maps at `tmaps`.
+        unsafe {
+            intrinsics::prefetch_tensormap(ta);
+            intrinsics::prefetch_tensormap(tb);
+        }
+        let (mut s, mut phase, mut tile, mut k) = (0u32, 0u32, 0u32, 0u32);
+        let total = n_tiles * kt;
+        let mut i = 0u32;
+        while i < total {
+            let dst = r.stage(s);
+            // SAFETY: initialised barriers; the wait on `empty[s]` (parity of the previous round,
+            // immediate in round 0) orders these TMA writes after every consumer's last read of
+            // the stage; the stage is 1024-byte aligned; `full[s]` expects exactly the two boxes'
+            // bytes (out-of-bounds elements are zero-filled and still counted).
+            unsafe {
+                intrinsics::mbar_wait(r.empty(s), phase ^ 1);
+                intrinsics::mbar_arrive_expect_tx(r.full(s), r.stage_bytes);
+                intrinsics::tma_load_2d(dst, ta, (k * BK as u32) as i32, m0 as i32, r.full(s));
+                intrinsics::tma_load_2d(dst + r.a_bytes, tb, (k * BK as u32) as i32, (n0_first + tile * BN as u32) as i32, r.full(s));
+            }
+            k += 1;
+            if k == kt {
+                k = 0;
+                tile += 1;
+            }
+            s += 1;
+            if s == ST as u32 {
+                s = 0;
+                phase ^= 1;
+            }
+            i += 1;
+        }
+    }
+    intrinsics::exit()
+}
+
+/// The consumer side of a TMA kernel: the same contract as [`wg_pipeline`], fed by the producer
+/// of [`tma_split`] through the mbarrier ring instead of block-wide `cp.async` rounds. Per stage:
+/// wait for `full[s]`, issue the `wgmma`s, commit, `wgmma.wait_group 1` (the previous stage's
+/// group has retired) and let one thread per warpgroup arrive on that stage's `empty` barrier.
+/// No block-wide barrier in the loop: the two warpgroups drift freely within the ring, so one's
+/// epilogue overlaps the other's MMAs. Ends with a consumer-only barrier, after which the ring
+/// may be reused.
+///
+/// # Safety
+/// Called by the `WGM·128` consumer threads that [`tma_split`] returned to, with the arguments
+/// the producer was given.
+#[inline(always)]
+pub unsafe fn tma_pipeline<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize>(
+    tid: u32,
+    n_tiles: u32,
+    kt: u32,
+    acc: &mut WgAcc<NW>,
+    mut finish: impl FnMut(u32, &mut WgAcc<NW>),
+) {
+    let r = TmaRing::new::<BM, BN, ST>();
+    let wg_row0 = 64 * (tid >> 7);
+    let leader = tid & 127 == 0;
+    let (mut s, mut phase) = (0u32, 0u32);
+    let mut tile = 0u32;
+    while tile < n_tiles {
+        let mut prev = 0u32;
+        let mut k = 0u32;
+        while k < kt {
+            let a_s = r.stage(s) + wg_row0 * 128;
+            let b_s = r.stage(s) + r.a_bytes;
+            // SAFETY: `full[s]` of this round completing means the TMA writes of the stage are
+            // visible; the stage is not overwritten before this warpgroup arrives on `empty[s]`,
+            // which happens only after a `wgmma_wait` retired the group reading it; the
+            // warpgroup is converged; accumulators are read only after `wgmma_wait::<0>`.
+            unsafe {
+                intrinsics::mbar_wait(r.full(s), phase);
+                intrinsics::wgmma_fence();
+                unroll!(4, |kk| {
+                    let koff = (kk * 32) as u32;
+                    unroll!(NW, |nb| {
+                        let bd = desc_k_major_sw128(b_s + (nb * 128 * 128) as u32 + koff);
+                        intrinsics::wgmma_m64n128k16_bf16(&mut acc[nb], desc_k_major_sw128(a_s + koff), bd, k > 0 || kk > 0);
+                    });
+                });
+                intrinsics::wgmma_commit();
+                intrinsics::wgmma_wait::<1>();
+                if k > 0 && leader {
+                    intrinsics::mbar_arrive(r.empty(prev));
+                }
+            }
+            prev = s;
+            s += 1;
+            if s == ST as u32 {
+                s = 0;
+                phase ^= 1;
+            }
+            k += 1;
+        }
+        // SAFETY: the warpgroup is converged; all of this tile's groups retire here, so the last
+        // stage is free.
+        unsafe {
+            intrinsics::wgmma_wait::<0>();
+            if leader {
+                intrinsics::mbar_arrive(r.empty(prev));
+            }
+        }
+        finish(tile, acc);
+        tile += 1;
+    }
+    // SAFETY: exactly the WGM·128 consumer threads reach this once.
+    unsafe { intrinsics::named_barrier::<1>((WGM * 128) as u32) };
+}
+
+/// [`wg_pipeline`] or, for `TMA`, [`tma_pipeline`] (after [`tma_split`] at the kernel's start).
+///
+/// # Safety
+/// As the chosen pipeline.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_pipeline<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const TMA: bool>(
+    tid: u32,
+    a: Operand,
+    b: Operand,
+    m0: u32,
+    n0_first: u32,
+    n_tiles: u32,
+    kt: u32,
+    acc: &mut WgAcc<NW>,
+    finish: impl FnMut(u32, &mut WgAcc<NW>),
+) {
+    if TMA {
+        // SAFETY: forwarded contract.
+        unsafe { tma_pipeline::<BM, BN, ST, WGM, NW>(tid, n_tiles, kt, acc, finish) }
+    } else {
+        // SAFETY: forwarded contract.
+        unsafe { wg_pipeline::<BM, BN, ST, WGM, NW>(tid, a, b, m0, n0_first, n_tiles, kt, acc, finish) }
+    }
+}
+
 /// This thread's warp position: warp `w` holds rows `16w .. 16w + 16` of the block tile and
 /// every column.
 #[inline(always)]
@@ -154,17 +408,22 @@ fn half<const NW: usize>(acc: &mut WgAcc<NW>, nb: usize, h: usize) -> &mut Acc<1
 /// `(BM + BN)·64·2·ST` bytes of dynamic shared memory; `p` describes valid device buffers as for
 /// `fwd::fwd`.
 #[inline(always)]
-pub unsafe fn fwd_wg<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const ENT: bool>(
+pub unsafe fn fwd_wg<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const ENT: bool, const TMA: bool>(
     p: &LogitsParams,
 ) {
     let tid = intrinsics::thread_idx();
-    let w = warp_pos(tid);
     let m0 = intrinsics::block_idx_x() * BM as u32;
     let split = intrinsics::block_idx_y();
     let v_tiles = p.v.div_ceil(BN as u32);
     let tile_begin = split * p.tiles_per_split;
     let n_tiles = (v_tiles - tile_begin).min(p.tiles_per_split);
     let kt = p.d.div_ceil(BK as u32);
+    let n0_first = tile_begin * BN as u32;
+    if TMA {
+        // SAFETY: first call, by every thread; the kernel contract provides the maps.
+        unsafe { tma_split::<BM, BN, ST, WGM>(tid, p.tmaps, m0, n0_first, n_tiles, kt) };
+    }
+    let w = warp_pos(tid);
 
     // ---- Prologue: per-row state and labels ------------------------------------------------
     let mut st = [[Lse2::<f32>::EMPTY; 2]; 1];
@@ -182,7 +441,6 @@ pub unsafe fn fwd_wg<const BM: usize, const BN: usize, const ST: usize, const WG
     let mut acc: WgAcc<NW> = [[[[0.0; 4]; 8]; 2]; NW];
 
     // ---- Main loop, each tile folded into the row states ------------------------------------
-    let n0_first = tile_begin * BN as u32;
     let finish = #[inline(always)]
     |tile: u32, acc: &mut WgAcc<NW>| {
         let n0 = n0_first + tile * BN as u32;
@@ -193,11 +451,12 @@ pub unsafe fn fwd_wg<const BM: usize, const BN: usize, const ST: usize, const WG
         });
     };
     // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
-    unsafe { wg_pipeline::<BM, BN, ST, WGM, NW>(tid, a, b, m0, n0_first, n_tiles, kt, &mut acc, finish) };
+    unsafe { run_pipeline::<BM, BN, ST, WGM, NW, TMA>(tid, a, b, m0, n0_first, n_tiles, kt, &mut acc, finish) };
 
     // ---- Epilogue ---------------------------------------------------------------------------
-    // SAFETY: all threads, ring drained behind the pipeline's last barrier; BM·16 bytes fit.
-    unsafe { store_partials::<BM, 1, 1, ENT>(p, &w, &mut st, &mut z_label, m0, split, intrinsics::smem_base()) };
+    // SAFETY: all consumer threads, ring drained behind the pipeline's last barrier; BM·16 bytes
+    // fit.
+    unsafe { store_partials::<BM, 1, 1, ENT>(p, &w, &mut st, &mut z_label, m0, split, intrinsics::smem_base(), (WGM * 128) as u32) };
 }
 
 /// Backward d-logits of one vocab chunk on the Hopper mainloop. Same contract as
@@ -207,13 +466,18 @@ pub unsafe fn fwd_wg<const BM: usize, const BN: usize, const ST: usize, const WG
 /// Launched with `WGM·128` threads, grid `(ceil(t/BM), ceil(staging_stride/BN))`, the ring's
 /// dynamic shared memory; buffers as for `bwd::dlogits`.
 #[inline(always)]
-pub unsafe fn dlogits_wg<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const ENT: bool>(
+pub unsafe fn dlogits_wg<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const ENT: bool, const TMA: bool>(
     p: &LogitsParams,
 ) {
     let tid = intrinsics::thread_idx();
-    let w = warp_pos(tid);
     let m0 = intrinsics::block_idx_x() * BM as u32;
     let n0 = intrinsics::block_idx_y() * BN as u32;
+    let kt = p.d.div_ceil(BK as u32);
+    if TMA {
+        // SAFETY: first call, by every thread; the kernel contract provides the maps.
+        unsafe { tma_split::<BM, BN, ST, WGM>(tid, p.tmaps, m0, p.v_chunk_begin + n0, 1, kt) };
+    }
+    let w = warp_pos(tid);
     // SAFETY: buffers per the kernel contract.
     let coeffs = unsafe { row_coeffs::<1, ENT>(p, &w, m0) };
     let a = Operand { ptr: p.h as *const u16, stride: p.h_row_stride, mn_bound: p.t, k_bound: p.d };
@@ -228,9 +492,8 @@ pub unsafe fn dlogits_wg<const BM: usize, const BN: usize, const ST: usize, cons
             });
         });
     };
-    let kt = p.d.div_ceil(BK as u32);
     // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
-    unsafe { wg_pipeline::<BM, BN, ST, WGM, NW>(tid, a, b, m0, p.v_chunk_begin + n0, 1, kt, &mut acc, finish) };
+    unsafe { run_pipeline::<BM, BN, ST, WGM, NW, TMA>(tid, a, b, m0, p.v_chunk_begin + n0, 1, kt, &mut acc, finish) };
 }
 
 /// Backward GEMM `C[m, n] (+)= Σ_k A[m, k] · B[n, k]` with both operands K-major (the host
@@ -241,11 +504,16 @@ pub unsafe fn dlogits_wg<const BM: usize, const BN: usize, const ST: usize, cons
 /// memory; `p.a` is `[m][a_stride]`, `p.b` is `[n][b_stride]`, both readable in whole 16-byte
 /// chunks up to `k` rounded up to 8 (zeros there); C buffers as for `bwd::gemm`.
 #[inline(always)]
-pub unsafe fn gemm_wg<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize>(p: &GemmParams) {
+pub unsafe fn gemm_wg<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const TMA: bool>(p: &GemmParams) {
     let tid = intrinsics::thread_idx();
-    let w = warp_pos(tid);
     let m0 = intrinsics::block_idx_x() * BM as u32;
     let n0 = intrinsics::block_idx_y() * BN as u32;
+    let kt = p.k.div_ceil(BK as u32);
+    if TMA {
+        // SAFETY: first call, by every thread; the kernel contract provides the maps.
+        unsafe { tma_split::<BM, BN, ST, WGM>(tid, p.tmaps, m0, n0, 1, kt) };
+    }
+    let w = warp_pos(tid);
     let a = Operand { ptr: p.a as *const u16, stride: p.a_stride, mn_bound: p.m, k_bound: p.k };
     let b = Operand { ptr: p.b as *const u16, stride: p.b_stride, mn_bound: p.n, k_bound: p.k };
     let mut acc: WgAcc<NW> = [[[[0.0; 4]; 8]; 2]; NW];
@@ -258,7 +526,6 @@ pub unsafe fn gemm_wg<const BM: usize, const BN: usize, const ST: usize, const W
             });
         });
     };
-    let kt = p.k.div_ceil(BK as u32);
     // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
-    unsafe { wg_pipeline::<BM, BN, ST, WGM, NW>(tid, a, b, m0, n0, 1, kt, &mut acc, finish) };
+    unsafe { run_pipeline::<BM, BN, ST, WGM, NW, TMA>(tid, a, b, m0, n0, 1, kt, &mut acc, finish) };
 }

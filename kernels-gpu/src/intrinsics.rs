@@ -481,6 +481,154 @@ pub unsafe fn wgmma_m64n128k16_bf16(c: &mut [[[f32; 4]; 8]; 2], a_desc: u64, b_d
     };
 }
 
+/// `bar.sync ID, COUNT`: a named barrier for `COUNT` threads (whole warps) of the block, also
+/// ordering their shared-memory accesses. Lets the consumer warpgroups of a warp-specialised
+/// kernel synchronise without the producer.
+///
+/// # Safety
+/// Exactly `COUNT` threads (a multiple of 32) must reach barrier `ID` the same number of times.
+#[inline(always)]
+pub unsafe fn named_barrier<const ID: u32>(count: u32) {
+    // SAFETY: the caller upholds the arrival count.
+    unsafe { asm!("bar.sync {id}, {n};", id = const ID, n = in(reg32) count, options(nostack)) };
+}
+
+/// `exit`: ends this thread. Named barriers keep working for the threads that remain (their
+/// counts never include exited threads), and asynchronous copies it issued still complete on
+/// their mbarriers.
+#[inline(always)]
+pub fn exit() -> ! {
+    // SAFETY: ending a thread has no preconditions; nothing after this runs.
+    unsafe { asm!("exit;", options(noreturn, nostack)) }
+}
+
+/// `mbarrier.init.shared::cta.b64`: an mbarrier at `addr` that completes a phase after `count`
+/// arrivals (and all expected transaction bytes).
+///
+/// # Safety
+/// `addr` must be an 8-byte aligned shared address that no other thread uses until a
+/// [`fence_mbarrier_init`] and a block barrier follow.
+#[inline(always)]
+pub unsafe fn mbar_init(addr: SmemAddr, count: u32) {
+    // SAFETY: the caller guarantees the address and exclusive use.
+    unsafe { asm!("mbarrier.init.shared::cta.b64 [{a}], {n};", a = in(reg32) addr, n = in(reg32) count, options(nostack)) };
+}
+
+/// `fence.mbarrier_init.release.cluster`: makes this thread's `mbarrier.init`s visible to the
+/// async proxy (the tensor-memory accelerator completes transactions on them).
+#[inline(always)]
+pub fn fence_mbarrier_init() {
+    // SAFETY: a fence has no preconditions.
+    unsafe { asm!("fence.mbarrier_init.release.cluster;", options(nostack)) };
+}
+
+/// `mbarrier.arrive.expect_tx.shared::cta.b64`: arrive once and add `bytes` to the transaction
+/// count that the current phase waits for.
+///
+/// # Safety
+/// `addr` must be an initialised mbarrier; the arrivals of the phase must not exceed its count.
+#[inline(always)]
+pub unsafe fn mbar_arrive_expect_tx(addr: SmemAddr, bytes: u32) {
+    // SAFETY: the caller guarantees an initialised barrier.
+    unsafe {
+        asm!("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{a}], {b};", a = in(reg32) addr, b = in(reg32) bytes, options(nostack))
+    };
+}
+
+/// `mbarrier.arrive.shared::cta.b64`: arrive once.
+///
+/// # Safety
+/// `addr` must be an initialised mbarrier; the arrivals of the phase must not exceed its count.
+#[inline(always)]
+pub unsafe fn mbar_arrive(addr: SmemAddr) {
+    // SAFETY: the caller guarantees an initialised barrier.
+    unsafe { asm!("mbarrier.arrive.shared::cta.b64 _, [{a}];", a = in(reg32) addr, options(nostack)) };
+}
+
+/// Wait until the phase of parity `parity` of the mbarrier at `addr` has completed
+/// (`mbarrier.try_wait.parity` in a loop). A fresh barrier is in phase 0, so waiting on parity 1
+/// returns at once. Completion also makes the memory operations the phase tracked (the TMA
+/// writes of a full barrier) visible to this thread.
+///
+/// # Safety
+/// `addr` must be an initialised mbarrier.
+#[inline(always)]
+pub unsafe fn mbar_wait(addr: SmemAddr, parity: u32) {
+    loop {
+        let done: u32;
+        // SAFETY: the caller guarantees an initialised barrier.
+        unsafe {
+            asm!(
+                "{{",
+                ".reg .pred p;",
+                "mbarrier.try_wait.parity.shared::cta.b64 p, [{a}], {ph};",
+                "selp.u32 {d}, 1, 0, p;",
+                "}}",
+                a = in(reg32) addr, ph = in(reg32) parity, d = out(reg32) done,
+                options(nostack)
+            )
+        };
+        if done != 0 {
+            return;
+        }
+    }
+}
+
+/// `prefetch.tensormap`: brings a tensor map (in global memory) into the descriptor cache.
+///
+/// # Safety
+/// `tmap` must be the generic address of a 64-byte aligned tensor map in global memory.
+#[inline(always)]
+pub unsafe fn prefetch_tensormap(tmap: *const u8) {
+    // SAFETY: the caller guarantees the address.
+    unsafe { asm!("prefetch.tensormap [{t}];", t = in(reg64) tmap, options(nostack, readonly)) };
+}
+
+/// `cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes`: the tensor
+/// memory accelerator copies the box at coordinates `(c0, c1)` (innermost first) of the tensor
+/// described by `tmap` into shared memory at `dst`, zero-filling out-of-bounds elements, and
+/// completes the box's byte count on the mbarrier at `mbar`.
+///
+/// # Safety
+/// `tmap` must be the generic address of a valid tensor map in global memory whose tensor is
+/// readable; `dst` must be a shared address aligned as the map's swizzle needs (1024 bytes for
+/// the 128-byte swizzle) with the box's bytes free for writing until `mbar` completes; `mbar`
+/// must be an initialised mbarrier whose current phase expects these bytes.
+#[inline(always)]
+pub unsafe fn tma_load_2d(dst: SmemAddr, tmap: *const u8, c0: i32, c1: i32, mbar: SmemAddr) {
+    // SAFETY: the caller guarantees the map, the destination and the barrier.
+    unsafe {
+        asm!(
+            "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [{d}], [{t}, {{{c0}, {c1}}}], [{b}];",
+            d = in(reg32) dst, t = in(reg64) tmap, c0 = in(reg32) c0, c1 = in(reg32) c1, b = in(reg32) mbar,
+            options(nostack)
+        )
+    };
+}
+
+/// `setmaxnreg.dec.sync.aligned.u32 N`: this warpgroup gives registers back (producer side).
+///
+/// # Safety
+/// Executed by all threads of the warpgroup together; `N` is a multiple of 8 in 24..=256 and
+/// not above the current per-thread count; live values must fit in `N` registers (ptxas checks).
+#[inline(always)]
+pub unsafe fn setmaxnreg_dec<const N: u32>() {
+    // SAFETY: the caller guarantees warpgroup convergence and the bound.
+    unsafe { asm!("setmaxnreg.dec.sync.aligned.u32 {n};", n = const N, options(nostack)) };
+}
+
+/// `setmaxnreg.inc.sync.aligned.u32 N`: this warpgroup takes registers from the block's pool
+/// (consumer side; blocks until another warpgroup released enough).
+///
+/// # Safety
+/// Executed by all threads of the warpgroup together; `N` is a multiple of 8 in 24..=256, and
+/// the block's warpgroups together never ask for more than the registers it was launched with.
+#[inline(always)]
+pub unsafe fn setmaxnreg_inc<const N: u32>() {
+    // SAFETY: the caller guarantees warpgroup convergence and the budget.
+    unsafe { asm!("setmaxnreg.inc.sync.aligned.u32 {n};", n = const N, options(nostack)) };
+}
+
 /// `trap`: aborts the kernel (used by the panic handler; a panic in a kernel is a bug).
 #[inline(always)]
 pub fn trap() -> ! {

@@ -53,8 +53,10 @@ fn build_ptx() -> Result<(), String> {
     let ptx_path = paths.target_dir.join("lmhead_kernels.ptx");
     std::fs::write(&ptx_path, &ptx).map_err(|e| e.to_string())?;
     let cubin = paths.target_dir.join("lmhead_kernels.cubin");
-    let res = lmhead_build::assemble(&ptxas, &ptx_path, &cubin)?;
-    let (table, bad) = lmhead_build::resource_table(&res);
+    let report = lmhead_build::assemble(&ptxas, &ptx_path, &cubin)?;
+    let res = report.resources;
+    let (table, mut bad) = lmhead_build::resource_table(&res);
+    bad.extend(report.perf_warnings);
     println!("{table}");
     println!(
         "{} entry points in {} ({} KiB of PTX), assembled for {} in {:.1} s",
@@ -66,11 +68,11 @@ fn build_ptx() -> Result<(), String> {
     );
     if !bad.is_empty() {
         return Err(format!(
-            "resource check failed (0 stack and 0 spills is the norm; allowlist with a reason in lmhead-build):\n  {}",
+            "resource check failed (0 stack, 0 spills and no ptxas performance-loss note is the norm; allowlist with a reason in lmhead-build):\n  {}",
             bad.join("\n  ")
         ));
     }
-    println!("resource check: every kernel has 0 bytes of stack and no spills");
+    println!("resource check: every kernel has 0 bytes of stack and no spills; ptxas noted no performance loss");
     Ok(())
 }
 

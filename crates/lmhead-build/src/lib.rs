@@ -168,6 +168,7 @@ pub fn add_launch_bounds(ptx: &str) -> Result<String> {
     let mut out = String::with_capacity(ptx.len() + 64 * threads.len());
     let mut pending: Option<u32> = None;
     let mut seen = 0usize;
+    let mut bounded = 0usize;
     for line in ptx.lines() {
         if let Some(rest) = line.trim_start().strip_prefix(".visible .entry ") {
             let name = rest.split('(').next().unwrap_or("").trim();
@@ -177,15 +178,32 @@ pub fn add_launch_bounds(ptx: &str) -> Result<String> {
         }
         out.push_str(line);
         out.push('\n');
-        if pending.is_some() && line.trim() == ")" {
+        // llc ends the parameter list with `)` and, for some entries, a `// @name` comment.
+        if pending.is_some() && line.split("//").next().unwrap_or("").trim() == ")" {
             let t = pending.take().unwrap();
             writeln!(out, ".maxntid {t}, 1, 1").unwrap();
+            bounded += 1;
+            // Warp-specialised kernels move registers with `setmaxnreg`, which ptxas only honours
+            // when it knows the per-thread count at entry: one block per SM fixes it at
+            // 65 536 / threads.
+            if name_of_entry(&out).is_some_and(|n| n.ends_with("_tma")) {
+                writeln!(out, ".minnctapersm 1").unwrap();
+            }
         }
     }
     if seen != threads.len() {
         return Err(format!("PTX has {seen} entries, the tables name {}", threads.len()));
     }
+    if bounded != seen {
+        return Err(format!("launch bounds added to {bounded} of {seen} entries: the end of a parameter list was not recognised"));
+    }
     Ok(out)
+}
+
+/// The name of the last `.entry` in `ptx`.
+fn name_of_entry(ptx: &str) -> Option<&str> {
+    let i = ptx.rfind(".visible .entry ")?;
+    ptx[i + ".visible .entry ".len()..].split('(').next().map(str::trim)
 }
 
 /// Build the kernels and return the PTX text (with launch bounds).
@@ -302,13 +320,28 @@ pub fn parse_ptxas(report: &str) -> BTreeMap<String, Resources> {
     out
 }
 
+/// What `ptxas -v` said about a module: per-function resources, and its "Potential Performance
+/// Loss" notes (e.g. C7508 `setmaxnreg` ignored, C7514/C7517 `wgmma` serialised), which name no
+/// function but are defects all the same.
+pub struct Report {
+    pub resources: BTreeMap<String, Resources>,
+    pub perf_warnings: Vec<String>,
+}
+
+/// The "Potential Performance Loss" lines of a ptxas report.
+pub fn perf_warnings(report: &str) -> Vec<String> {
+    let mut w: Vec<String> = report.lines().filter(|l| l.contains("Potential Performance Loss")).map(|l| l.trim().to_string()).collect();
+    w.dedup();
+    w
+}
+
 /// Assemble `ptx` with `ptxas` and return the parsed report (and write the cubin beside it).
-pub fn assemble(ptxas: &Path, ptx_path: &Path, cubin: &Path) -> Result<BTreeMap<String, Resources>> {
+pub fn assemble(ptxas: &Path, ptx_path: &Path, cubin: &Path) -> Result<Report> {
     let mut cmd = Command::new(ptxas);
     cmd.args([&format!("-arch={ARCH}"), "-v"]).arg(ptx_path).arg("-o").arg(cubin);
     let out = run(&mut cmd, "ptxas")?;
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    Ok(parse_ptxas(&text))
+    Ok(Report { resources: parse_ptxas(&text), perf_warnings: perf_warnings(&text) })
 }
 
 /// The resource table, and the list of violations (stack, spills, non-inlined functions) that
@@ -372,12 +405,21 @@ mod tests {
     #[test]
     fn launch_bounds_follow_the_tables() {
         let mut ptx = String::new();
-        for (name, _) in entry_threads() {
-            ptx.push_str(&format!(".visible .entry {name}(\n\t.param .align 8 .b8 {name}_param_0[96]\n)\n{{\n\tret;\n}}\n"));
+        // Both forms llc writes: a bare `)` and `)  // @name`.
+        for (i, (name, _)) in entry_threads().into_iter().enumerate() {
+            let close = if i % 2 == 0 { ")".to_string() } else { format!(")                   // @{name}") };
+            ptx.push_str(&format!(".visible .entry {name}(\n\t.param .align 8 .b8 {name}_param_0[96]\n{close}\n{{\n\tret;\n}}\n"));
         }
         let out = add_launch_bounds(&ptx).unwrap();
         assert_eq!(out.matches(".maxntid").count(), entry_threads().len());
         assert!(out.contains(".maxntid 256, 1, 1"));
+        let tma = entry_threads().keys().filter(|n| n.ends_with("_tma")).count();
+        assert!(tma > 0);
+        assert_eq!(out.matches(".minnctapersm 1").count(), tma);
+        assert!(out.contains(".maxntid 384, 1, 1\n.minnctapersm 1"));
+        // An unrecognised end of the parameter list is an error, not a kernel without bounds.
+        let name = entry_threads().into_keys().next().unwrap();
+        assert!(add_launch_bounds(&format!(".visible .entry {name}(\n) extra\n{{\n}}\n")).is_err());
         assert!(add_launch_bounds(".visible .entry unknown(\n)\n{\n}\n").is_err());
     }
 }

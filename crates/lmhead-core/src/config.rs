@@ -78,16 +78,27 @@ pub struct TileConfig {
     /// M, 64 rows each) instead of `ldmatrix` + `mma.sync`.
     #[cfg_attr(feature = "std", serde(default))]
     pub wgmma: bool,
+    /// With `wgmma`: warp-specialised, a producer warpgroup loads the stages with the tensor
+    /// memory accelerator (tensor maps made by the host) into an mbarrier ring, and the
+    /// consumer warpgroups only issue `wgmma`s and run the epilogue.
+    #[cfg_attr(feature = "std", serde(default))]
+    pub tma: bool,
 }
 
 const fn tc(bm: u16, bn: u16, bk: u16, stages: u8, warps_m: u8, warps_n: u8) -> TileConfig {
-    TileConfig { bm, bn, bk, stages, warps_m, warps_n, wgmma: false }
+    TileConfig { bm, bn, bk, stages, warps_m, warps_n, wgmma: false, tma: false }
 }
 
 /// A `wgmma` config: `wgs` warpgroups along M (64 rows each), `bn` columns (128 or 256),
 /// 64-deep stages with the 128-byte swizzle.
 const fn wg(wgs: u8, bn: u16, stages: u8) -> TileConfig {
-    TileConfig { bm: 64 * wgs as u16, bn, bk: 64, stages, warps_m: 4 * wgs, warps_n: 1, wgmma: true }
+    TileConfig { bm: 64 * wgs as u16, bn, bk: 64, stages, warps_m: 4 * wgs, warps_n: 1, wgmma: true, tma: false }
+}
+
+/// A warp-specialised TMA `wgmma` config: two consumer warpgroups (128 rows) and one producer
+/// warpgroup, `bn` columns (128 or 256), `stages` 64-deep stages.
+const fn tw(bn: u16, stages: u8) -> TileConfig {
+    TileConfig { tma: true, ..wg(2, bn, stages) }
 }
 
 /// Candidates of the forward: the `mma.sync` mainloop's and the Hopper `wgmma` mainloop's.
@@ -104,6 +115,9 @@ pub const FWD_CANDIDATES: &[TileConfig] = &[
     wg(2, 256, 4),
     wg(2, 256, 3),
     wg(4, 128, 4),
+    tw(256, 4),
+    tw(128, 6),
+    tw(256, 3),
 ];
 
 /// Candidates of the backward d-logits mainloop.
@@ -119,6 +133,9 @@ pub const LOGITS_CANDIDATES: &[TileConfig] = &[
     wg(2, 256, 4),
     wg(2, 128, 3),
     wg(4, 128, 4),
+    tw(256, 4),
+    tw(128, 6),
+    tw(256, 3),
 ];
 
 /// Candidates of the backward GEMMs. The `wgmma` ones read both operands K-major: the host
@@ -134,6 +151,9 @@ pub const GEMM_CANDIDATES: &[TileConfig] = &[
     wg(2, 256, 4),
     wg(2, 256, 3),
     wg(4, 128, 4),
+    tw(256, 4),
+    tw(128, 6),
+    tw(256, 3),
 ];
 
 /// The shared memory an H200 block may use at most (227 KiB).
@@ -144,8 +164,9 @@ impl TileConfig {
         self.warps_m as u32 * self.warps_n as u32
     }
 
+    /// Threads per block: the MMA warps, plus the producer warpgroup of a TMA config.
     pub const fn threads(self) -> u32 {
-        32 * self.warps()
+        32 * self.warps() + if self.tma { 128 } else { 0 }
     }
 
     /// Rows of one warp's tile.
@@ -170,9 +191,9 @@ impl TileConfig {
     }
 
     /// Dynamic shared memory a launch of this config asks for (the ring is reused for the
-    /// reduction after the mainloop).
+    /// reduction after the mainloop; a TMA config keeps its `2 · stages` mbarriers after the ring).
     pub const fn smem_bytes(self) -> usize {
-        let a = self.ring_bytes();
+        let a = self.ring_bytes() + if self.tma { 16 * self.stages as usize } else { 0 };
         let b = self.reduce_bytes();
         if a > b {
             a
@@ -185,6 +206,17 @@ impl TileConfig {
     /// device asserts the same rules at compile time; this lets the host and the tests check the
     /// tables without building PTX.
     pub const fn is_well_formed(self) -> bool {
+        if self.tma {
+            return self.wgmma
+                && self.bk == 64
+                && self.warps_n == 1
+                && self.warps_m == 8
+                && self.bm == 128
+                && (self.bn == 128 || self.bn == 256)
+                && self.stages >= 2
+                && self.stages <= 8
+                && self.smem_bytes() <= MAX_SMEM_PER_BLOCK;
+        }
         if self.wgmma {
             return self.bk == 64
                 && self.warps_n == 1
@@ -221,7 +253,11 @@ impl TileConfig {
     #[cfg(feature = "std")]
     pub fn suffix(self, family: Family) -> std::string::String {
         let (m, n, k) = if family.lm_dims() { ("t", "v", "d") } else { ("m", "n", "k") };
-        let wg = if self.wgmma { "_wg" } else { "" };
+        let wg = match (self.wgmma, self.tma) {
+            (true, true) => "_tma",
+            (true, false) => "_wg",
+            _ => "",
+        };
         std::format!("{m}{}_{n}{}_{k}{}_s{}_w{}x{}{wg}", self.bm, self.bn, self.bk, self.stages, self.warps_m, self.warps_n)
     }
 }

@@ -63,7 +63,9 @@ pub struct LogitsParams {
     pub inv_temp: f32,
     /// `log2(e) / temperature`.
     pub scale2: f32,
-    pub _pad2: [f32; 2],
+    /// TMA configs: device address of two tensor maps (A = `h`, then B = `W`; 128 bytes each,
+    /// 64-byte aligned) the host encoded for this launch. 0 otherwise.
+    pub tmaps: u64,
 }
 
 /// Parameters of the backward GEMMs `C[m, n] (+)= Σ_k A · B`.
@@ -88,6 +90,9 @@ pub struct GemmParams {
     pub accumulate: u32,
     pub write_acc: u32,
     pub out_f32: u32,
+    /// TMA configs: device address of two tensor maps (A, then B; 128 bytes each, 64-byte
+    /// aligned) of the K-major operands. 0 otherwise.
+    pub tmaps: u64,
 }
 
 /// Parameters of the forward merge kernels (`FWD_MERGE`, `FWD_ROW_STATE`, `FWD_FINISH`).
@@ -173,7 +178,7 @@ mod tests {
         assert_eq!(align_of::<Partial>(), 16);
         assert_eq!(size_of::<LogitsParams>(), 160);
         assert_eq!(align_of::<LogitsParams>(), 8);
-        assert_eq!(size_of::<GemmParams>(), 80);
+        assert_eq!(size_of::<GemmParams>(), 88);
         assert_eq!(size_of::<MergeParams>(), 96);
         assert_eq!(size_of::<CastParams>(), 24);
         assert_eq!(size_of::<NaiveParams>(), 80);
