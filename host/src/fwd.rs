@@ -151,11 +151,11 @@ impl LmHead {
         let cfg = self.fwd_config(stream, family, opts.config, p, sc, comm.is_some(), (&h, &w, &labels))?;
         let mut guard = self.ws.lock().unwrap();
         let ws = &mut *guard;
-        let tiles_per_split = self.plan_split(family, cfg, p)?;
+        let plan = self.plan_split(family, cfg, p)?;
         let n_splits = {
-            let partials = ws.partials.get(stream, split_count(cfg, p, tiles_per_split) * p.t)?;
+            let partials = ws.partials.get(stream, split_count(cfg, p, plan.tiles_per_split) * p.t)?;
             let pd = dev_out(partials, stream, "partials")?;
-            launch::fwd_mainloop(&self.gpu, stream, entropy.is_some(), cfg, tiles_per_split, dims, sc, &h, &w, &labels, &pd)?
+            launch::fwd_mainloop(&self.gpu, stream, entropy.is_some(), cfg, plan, dims, sc, &h, &w, &labels, &pd)?
         };
         let (partials, status, row_state) = (&mut ws.partials, &mut ws.status, &mut ws.row_state);
         let status = status.get(stream, 1)?;
@@ -193,12 +193,23 @@ impl LmHead {
         Ok(FwdReport { config: Some(cfg), n_splits })
     }
 
-    /// Vocab tiles per block for `cfg` on this device (see `lmhead_core::split`).
-    pub(crate) fn plan_split(&self, family: Family, cfg: TileConfig, p: Problem) -> Result<u32> {
+    /// The vocab split and launch order for `cfg` on this device (see `lmhead_core::split`).
+    /// `LMHEAD_FWD_SPLITS` (a split count) and `LMHEAD_FWD_RASTER` (token tiles per raster
+    /// group) override the plan, for measurements.
+    pub(crate) fn plan_split(&self, family: Family, cfg: TileConfig, p: Problem) -> Result<split::SplitPlan> {
         let slots = self.slots(family, cfg)?;
         let m_tiles = p.t.div_ceil(cfg.bm as usize) as u32;
         let n_tiles = p.v.div_ceil(cfg.bn as usize) as u32;
-        Ok(split::plan(m_tiles, n_tiles, slots).tiles_per_split)
+        let mut plan = split::plan(m_tiles, n_tiles, slots);
+        let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u32>().ok());
+        if let Some(n) = env("LMHEAD_FWD_SPLITS").filter(|&n| n >= 1) {
+            plan.tiles_per_split = n_tiles.div_ceil(n.min(n_tiles));
+            plan.n_splits = n_tiles.div_ceil(plan.tiles_per_split);
+        }
+        if let Some(g) = env("LMHEAD_FWD_RASTER") {
+            plan.raster_group = g;
+        }
+        Ok(plan)
     }
 
     /// Choose the forward config (tuning on first use of a key when `choice` is `Auto`). Trials
@@ -217,8 +228,8 @@ impl LmHead {
         let key = TuneKey::new(family, p, tp);
         let dims = Dims { t: p.t, v: p.v, d: p.d };
         self.tuner.pick(&key, choice, &mut |cfg| {
-            let tps = self.plan_split(family, cfg, p)?;
-            let n = split_count(cfg, p, tps);
+            let plan = self.plan_split(family, cfg, p)?;
+            let n = split_count(cfg, p, plan.tiles_per_split);
             let mut partials = stream
                 .alloc_zeros::<crate::workspace::PartialRepr>(n * p.t)
                 .map_err(|_| Error::OutOfMemory { what: "tuning partials", bytes: n * p.t * 16 })?;
@@ -230,7 +241,7 @@ impl LmHead {
                        status: &mut cudarc::driver::CudaSlice<u32>|
              -> Result<()> {
                 let pd = dev_out(partials, stream, "tuning partials")?;
-                launch::fwd_mainloop(&self.gpu, stream, family == Family::FwdEnt, cfg, tps, dims, sc, h, w, labels, &pd)?;
+                launch::fwd_mainloop(&self.gpu, stream, family == Family::FwdEnt, cfg, plan, dims, sc, h, w, labels, &pd)?;
                 let od = dev_out(outs, stream, "tuning outputs")?;
                 let (lp, lse, ent) = (od.sub(0, p.t, 4)?, od.sub(p.t, p.t, 4)?, od.sub(2 * p.t, p.t, 4)?);
                 let sd = dev_out(status, stream, "tuning status")?;

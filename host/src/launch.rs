@@ -257,7 +257,7 @@ pub fn fwd_mainloop(
     stream: &Arc<CudaStream>,
     entropy: bool,
     cfg: TileConfig,
-    tiles_per_split: u32,
+    plan: lmhead_core::split::SplitPlan,
     dims: Dims,
     sc: Scalars,
     h: &Dev,
@@ -268,6 +268,7 @@ pub fn fwd_mainloop(
     let family = if entropy { Family::FwdEnt } else { Family::Fwd };
     let (hp, wp, lp) = check_hw(h, w, labels, dims)?;
     let v_tiles = dims.v.div_ceil(cfg.bn as usize) as u32;
+    let tiles_per_split = plan.tiles_per_split;
     if tiles_per_split == 0 {
         return Err(Error::Config("tiles_per_split must be ≥ 1".into()));
     }
@@ -285,6 +286,8 @@ pub fn fwd_mainloop(
         d: dims.d as u32,
         label_kind: labels.kind,
         tiles_per_split,
+        // Only the Hopper forward reads the raster order.
+        raster_group: if cfg.wgmma { plan.raster_group } else { 0 },
         ..Default::default()
     };
     sc.fill(&mut p);

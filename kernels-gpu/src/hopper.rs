@@ -328,10 +328,7 @@ pub unsafe fn tma_pipeline<const BM: usize, const BN: usize, const ST: usize, co
                 intrinsics::wgmma_fence();
                 unroll!(4, |kk| {
                     let koff = (kk * 32) as u32;
-                    unroll!(NW, |nb| {
-                        let bd = desc_k_major_sw128(b_s + (nb * 128 * 128) as u32 + koff);
-                        intrinsics::wgmma_m64n128k16_bf16(&mut acc[nb], desc_k_major_sw128(a_s + koff), bd, k > 0 || kk > 0);
-                    });
+                    wgmma_k16::<NW>(acc, a_s + koff, b_s + koff, k > 0 || kk > 0);
                 });
                 intrinsics::wgmma_commit();
                 intrinsics::wgmma_wait::<1>();
@@ -360,6 +357,28 @@ pub unsafe fn tma_pipeline<const BM: usize, const BN: usize, const ST: usize, co
     }
     // SAFETY: exactly the WGM·128 consumer threads reach this once.
     unsafe { intrinsics::named_barrier::<1>((WGM * 128) as u32) };
+}
+
+/// One k16 step of the warpgroup's `64 × 128·NW` tile: a single `m64n256k16` for two column
+/// blocks (A read once), else one `m64n128k16` per block.
+///
+/// # Safety
+/// As [`intrinsics::wgmma_m64n128k16_bf16`]: `a_s`/`b_s` address the k16 slice of a loaded
+/// 128B-swizzled A (64 rows) and B (`128·NW` rows) tile.
+#[inline(always)]
+unsafe fn wgmma_k16<const NW: usize>(acc: &mut WgAcc<NW>, a_s: SmemAddr, b_s: SmemAddr, accumulate: bool) {
+    let ad = desc_k_major_sw128(a_s);
+    if NW == 2 {
+        let pair: &mut [[[[f32; 4]; 8]; 2]; 2] = (&mut acc[..]).try_into().unwrap_or_else(|_| intrinsics::trap());
+        // SAFETY: forwarded contract; B's 256 rows are consecutive 128-byte lines, 8-row atoms
+        // 1024 bytes apart, as for two n128 blocks.
+        unsafe { intrinsics::wgmma_m64n256k16_bf16(pair, ad, desc_k_major_sw128(b_s), accumulate) };
+    } else {
+        unroll!(NW, |nb| {
+            // SAFETY: forwarded contract.
+            unsafe { intrinsics::wgmma_m64n128k16_bf16(&mut acc[nb], ad, desc_k_major_sw128(b_s + (nb * 128 * 128) as u32), accumulate) };
+        });
+    }
 }
 
 /// [`wg_pipeline`] or, for `TMA`, [`tma_pipeline`] (after [`tma_split`] at the kernel's start).
@@ -412,8 +431,14 @@ pub unsafe fn fwd_wg<const BM: usize, const BN: usize, const ST: usize, const WG
     p: &LogitsParams,
 ) {
     let tid = intrinsics::thread_idx();
-    let m0 = intrinsics::block_idx_x() * BM as u32;
-    let split = intrinsics::block_idx_y();
+    let (m_tile, split) = lmhead_core::split::raster(
+        intrinsics::block_idx_x(),
+        intrinsics::block_idx_y(),
+        intrinsics::grid_dim_x(),
+        intrinsics::grid_dim_y(),
+        p.raster_group,
+    );
+    let m0 = m_tile * BM as u32;
     let v_tiles = p.v.div_ceil(BN as u32);
     let tile_begin = split * p.tiles_per_split;
     let n_tiles = (v_tiles - tile_begin).min(p.tiles_per_split);

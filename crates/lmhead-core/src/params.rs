@@ -58,7 +58,10 @@ pub struct LogitsParams {
     /// Backward: first local vocab row of this chunk, and the chunk's width.
     pub v_chunk_begin: u32,
     pub v_chunk: u32,
-    pub _pad: u32,
+    /// Forward: token tiles per raster group (0 = plain order). Blocks are taken in launch
+    /// order group by group, each group covering `raster_group` token tiles × every split, so
+    /// that the blocks resident together share fewer distinct `h` rows (see `split`).
+    pub raster_group: u32,
     /// `1 / temperature`.
     pub inv_temp: f32,
     /// `log2(e) / temperature`.
