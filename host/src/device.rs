@@ -27,6 +27,10 @@ pub struct DeviceInfo {
     /// Dynamic shared memory a block may opt into.
     pub max_smem_optin: u32,
     pub driver_version: i32,
+    /// L2 cache size in bytes (the forward's split plan keeps resident rows of `h` within a
+    /// share of it).
+    #[serde(default)]
+    pub l2_bytes: u64,
 }
 
 impl DeviceInfo {
@@ -75,12 +79,13 @@ impl Gpu {
         let attr = |a| ctx.attribute(a).during(|| format!("reading device attribute {a:?}"));
         let sm_count = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
         let max_smem_optin = attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as u32;
+        let l2_bytes = attr(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?.max(0) as u64;
         let mut driver_version = 0i32;
         // SAFETY: cuDriverGetVersion writes one int through a valid pointer.
         unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) }.result().during(|| "reading the driver version".into())?;
         Ok(Arc::new(Self {
             ctx,
-            info: DeviceInfo { name, cc, sm_count, max_smem_optin, driver_version },
+            info: DeviceInfo { name, cc, sm_count, max_smem_optin, driver_version, l2_bytes },
             functions: Mutex::new(HashMap::new()),
             cubin: Mutex::new(None),
             cubin_note: Mutex::new(None),

@@ -48,6 +48,57 @@ pub fn plan(m_tiles: u32, n_tiles: u32, slots: u32) -> SplitPlan {
     best
 }
 
+/// The forward's L2 model: one token tile's rows of `h` (`BM × d × 2` bytes) and the L2 budget
+/// they should fit in.
+#[derive(Clone, Copy, Debug)]
+pub struct L2Model {
+    pub h_tile_bytes: u64,
+    pub budget_bytes: u64,
+}
+
+/// The share of the L2 cache that the resident blocks' rows of `h` may take in [`plan_l2`]; the
+/// rest holds the `W` tiles being streamed (each read by the resident blocks of its split
+/// within a short window), partials and other work. See docs/perf-notes.md for the measurements.
+pub const L2_SHARE: f64 = 0.6;
+
+/// [`plan`], made L2-aware. A forward block re-reads its token tile's rows of `h` for every
+/// vocab tile it walks, so those rows must stay in L2 across the blocks resident together; `W`
+/// tiles are streamed (each read by the resident blocks of one split at about the same time).
+/// With `S` splits launched in raster groups of `ceil(slots / S)` token tiles × every split
+/// ([`raster`]), the resident blocks hold about `min(m_tiles, ceil(slots / S))` token tiles of
+/// `h`. When the plain plan's rows exceed the budget (measured: t = 16384, d = 2048 in one
+/// split ran at 1.21× the GEMM with 56% of DRAM bandwidth and 59% L2 hits), the split count
+/// with the least modelled makespan among those whose rows fit wins; when none fits, the plain
+/// plan stands.
+pub fn plan_l2(m_tiles: u32, n_tiles: u32, slots: u32, l2: L2Model) -> SplitPlan {
+    let plain = plan(m_tiles, n_tiles, slots);
+    let m_tiles = m_tiles.max(1);
+    let n_tiles = n_tiles.max(1);
+    let slots = slots.max(1);
+    let resident_rows = |n_splits: u32| m_tiles.min(slots.div_ceil(n_splits));
+    let fits = |n_splits: u32| resident_rows(n_splits) as u64 * l2.h_tile_bytes <= l2.budget_bytes;
+    if fits(plain.n_splits) {
+        return plain;
+    }
+    let mut best: Option<(u64, SplitPlan)> = None;
+    let mut per = n_tiles;
+    loop {
+        let n_splits = n_tiles.div_ceil(per);
+        if fits(n_splits) {
+            let waves = (m_tiles as u64 * n_splits as u64).div_ceil(slots as u64);
+            let cost = waves * (per as u64 + BLOCK_OVERHEAD);
+            if best.is_none_or(|(c, _)| cost < c) {
+                best = Some((cost, SplitPlan { tiles_per_split: per, n_splits, raster_group: resident_rows(n_splits) }));
+            }
+        }
+        if per == 1 {
+            break;
+        }
+        per = n_tiles.div_ceil(n_splits + 1).min(per - 1);
+    }
+    best.map_or(plain, |(_, p)| p)
+}
+
 /// The (token tile, split) a forward block works on. Launch order is `x` (token tile) fastest;
 /// with `group = 0` block `(x, y)` takes token tile `x` of split `y`. With `group = G > 0` the
 /// linear launch index walks groups of `G` token tiles (the last one shorter), each group
@@ -77,6 +128,32 @@ pub const fn raster(x: u32, y: u32, gx: u32, gy: u32, group: u32) -> (u32, u32) 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const MB: u64 = 1 << 20;
+
+    fn h200(d: u64) -> L2Model {
+        L2Model { h_tile_bytes: 128 * d * 2, budget_bytes: (50.0 * L2_SHARE) as u64 * MB }
+    }
+
+    #[test]
+    fn l2_plan_splits_when_h_does_not_fit() {
+        // t = 16384, v = 248320, d = 2048 on 132 SMs: the plain plan (1 split, 128 token tiles
+        // resident, 64 MB of h) is replaced by one whose resident rows fit, in raster groups.
+        let p = plan_l2(128, 970, 132, h200(2048));
+        assert!(p.n_splits > 1 && p.raster_group > 0, "{p:?}");
+        assert!(p.raster_group as u64 * 128 * 2048 * 2 <= 30 * MB, "{p:?}");
+        assert!(p.raster_group as u64 * p.n_splits as u64 >= 132, "one group fills the machine: {p:?}");
+        // A plan that fits already stands: t = 1024 (8 token tiles), and t = 4096 at d = 1024.
+        assert_eq!(plan_l2(8, 594, 132, h200(4096)), plan(8, 594, 132));
+        assert_eq!(plan_l2(32, 594, 132, h200(1024)), plan(32, 594, 132));
+        // Nothing fits (d = 1 << 20): the plain plan.
+        assert_eq!(plan_l2(64, 512, 132, h200(1 << 20)), plan(64, 512, 132));
+        // Every plan still covers every tile.
+        for (m, n, d) in [(128u32, 970u32, 2048u64), (64, 594, 4096), (32, 501, 4096), (64, 512, 8192)] {
+            let p = plan_l2(m, n, 132, h200(d));
+            assert_eq!(n.div_ceil(p.tiles_per_split), p.n_splits, "{p:?}");
+        }
+    }
 
     #[test]
     fn raster_is_a_permutation() {
