@@ -13,7 +13,9 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop};
 use lmhead_core::config::{fixed, kernel_name, Family, TileConfig};
-use lmhead_core::params::{CastParams, GemmParams, LogitsParams, MergeParams, NaiveParams, TransposeParams, LABELS_I32, LABELS_I64};
+use lmhead_core::params::{
+    CastParams, GemmParams, LogitsParams, MergeParams, NaiveParams, TransposeParams, UnitParams, LABELS_I32, LABELS_I64,
+};
 
 use crate::device::Gpu;
 use crate::error::{Context as _, Error, Result};
@@ -121,6 +123,8 @@ unsafe impl DeviceRepr for Arg<CastParams> {}
 unsafe impl DeviceRepr for Arg<NaiveParams> {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for Arg<TransposeParams> {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for Arg<UnitParams> {}
 // SAFETY: `Partial` is `#[repr(C, align(16))]` of four f32; any bit pattern is valid.
 unsafe impl DeviceRepr for crate::workspace::PartialRepr {}
 // SAFETY: zero bits are four 0.0 f32.
@@ -649,4 +653,43 @@ pub fn naive_fwd(
         p.entropy = e.check_exact(dims.t, 4)?;
     }
     launch(gpu, stream, fixed::NAIVE_FWD, fixed::THREADS * 16, (dims.t as u32, 1), fixed::THREADS, p)
+}
+
+/// Unit kernel `UNIT_TMA_COPY`: the box at `(k0, row0)` (`rows` rows × 64 bf16) of the bf16
+/// matrix `src` (`src_rows` rows of `k` elements, `stride` apart), as the tensor memory
+/// accelerator lays it out in shared memory, written to `out` (`rows · 64` bf16).
+#[allow(clippy::too_many_arguments)]
+pub fn unit_tma_copy(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    (src, src_rows, k, stride): (&Dev, usize, usize, usize),
+    (k0, row0, rows): (u32, u32, u32),
+    out: &Dev,
+) -> Result<()> {
+    if rows == 0 || rows > 256 || rows % 8 != 0 {
+        return Err(Error::Config(format!("unit TMA box of {rows} rows (1..=256, multiple of 8)")));
+    }
+    let a = TmaOperand { ptr: src.check(src_rows * stride, 16)?, rows: src_rows, k, stride, box_rows: rows };
+    let maps = tma_maps(stream, a, a)?;
+    let p = UnitParams { tmaps: slice_addr(&maps, stream), out: out.check(rows as usize * 64, 16)?, k0, row0, rows, _pad: 0 };
+    launch(gpu, stream, fixed::UNIT_TMA_COPY, rows * 128 + 8, (1, 1), 128, p)?;
+    drop(maps);
+    Ok(())
+}
+
+/// Unit kernels `UNIT_WGMMA_N128` / `UNIT_WGMMA_N256`: `out[64][n] = a[64][64] · b[n][64]ᵀ` (bf16
+/// in, f32 out) by one warpgroup, for `n` = 128 or 256.
+pub fn unit_wgmma(gpu: &Gpu, stream: &Arc<CudaStream>, a: &Dev, b: &Dev, n: usize, out: &Dev) -> Result<()> {
+    let name = match n {
+        128 => fixed::UNIT_WGMMA_N128,
+        256 => fixed::UNIT_WGMMA_N256,
+        _ => return Err(Error::Config(format!("unit wgmma tile of {n} columns (128 or 256)"))),
+    };
+    let ta = TmaOperand { ptr: a.check(64 * 64, 16)?, rows: 64, k: 64, stride: 64, box_rows: 64 };
+    let tb = TmaOperand { ptr: b.check(n * 64, 16)?, rows: n, k: 64, stride: 64, box_rows: n as u32 };
+    let maps = tma_maps(stream, ta, tb)?;
+    let p = UnitParams { tmaps: slice_addr(&maps, stream), out: out.check(64 * n, 8)?, ..Default::default() };
+    launch(gpu, stream, name, ((64 + n) * 128 + 16) as u32, (1, 1), 128, p)?;
+    drop(maps);
+    Ok(())
 }

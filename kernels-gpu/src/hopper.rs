@@ -366,7 +366,7 @@ pub unsafe fn tma_pipeline<const BM: usize, const BN: usize, const ST: usize, co
 /// As [`intrinsics::wgmma_m64n128k16_bf16`]: `a_s`/`b_s` address the k16 slice of a loaded
 /// 128B-swizzled A (64 rows) and B (`128·NW` rows) tile.
 #[inline(always)]
-unsafe fn wgmma_k16<const NW: usize>(acc: &mut WgAcc<NW>, a_s: SmemAddr, b_s: SmemAddr, accumulate: bool) {
+pub(crate) unsafe fn wgmma_k16<const NW: usize>(acc: &mut WgAcc<NW>, a_s: SmemAddr, b_s: SmemAddr, accumulate: bool) {
     let ad = desc_k_major_sw128(a_s);
     if NW == 2 {
         let pair: &mut [[[[f32; 4]; 8]; 2]; 2] = (&mut acc[..]).try_into().unwrap_or_else(|_| intrinsics::trap());

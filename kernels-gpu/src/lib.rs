@@ -37,8 +37,9 @@ pub mod intrinsics;
 pub mod level_00;
 pub mod mainloop;
 pub mod merge;
+pub mod units;
 
-use lmhead_core::params::{CastParams, GemmParams, LogitsParams, MergeParams, NaiveParams, TransposeParams};
+use lmhead_core::params::{CastParams, GemmParams, LogitsParams, MergeParams, NaiveParams, TransposeParams, UnitParams};
 
 #[panic_handler]
 fn panic(_: &core::panic::PanicInfo) -> ! {
@@ -69,6 +70,9 @@ fixed_entry!(lm_head_fwd_finish, MergeParams, merge::fwd_finish);
 fixed_entry!(lm_head_cast_f32_bf16, CastParams, merge::cast_f32_bf16);
 fixed_entry!(lm_head_naive_fwd, NaiveParams, level_00::naive_fwd);
 fixed_entry!(lm_head_transpose_bf16, TransposeParams, merge::transpose_bf16);
+fixed_entry!(lm_head_unit_tma_copy, UnitParams, units::tma_copy);
+fixed_entry!(lm_head_unit_wgmma_n128, UnitParams, units::wgmma_tile::<1>);
+fixed_entry!(lm_head_unit_wgmma_n256, UnitParams, units::wgmma_tile::<2>);
 
 // Silence unused-import warnings when a family has no candidates.
 #[allow(dead_code)]

@@ -285,10 +285,29 @@ pub mod fixed {
     pub const NAIVE_FWD: &str = "lm_head_naive_fwd";
     /// Transposes a bf16 matrix (K-major operands for the Hopper backward GEMMs).
     pub const TRANSPOSE_BF16: &str = "lm_head_transpose_bf16";
-    /// Threads per block of the fixed kernels.
+    /// Unit kernel: one TMA box (the first tensor map of its params) copied to shared memory and
+    /// written back byte for byte, so a test can check the 128-byte swizzle the mainloop assumes.
+    pub const UNIT_TMA_COPY: &str = "lm_head_unit_tma_copy";
+    /// Unit kernel: one warpgroup multiplies a 64 × 64 A tile by a 128-row B tile
+    /// (`m64n128k16`) and writes the f32 accumulators in their documented positions.
+    pub const UNIT_WGMMA_N128: &str = "lm_head_unit_wgmma_n128";
+    /// Unit kernel: as `UNIT_WGMMA_N128` with a 256-row B tile (one `m64n256k16` per k16).
+    pub const UNIT_WGMMA_N256: &str = "lm_head_unit_wgmma_n256";
+    /// Threads per block of the fixed kernels (the unit kernels run one warpgroup of them).
     pub const THREADS: u32 = 256;
     /// All fixed entry points.
-    pub const ALL: [&str; 7] = [FWD_MERGE, FWD_ROW_STATE, FWD_RESCALE, FWD_FINISH, CAST_F32_BF16, NAIVE_FWD, TRANSPOSE_BF16];
+    pub const ALL: [&str; 10] = [
+        FWD_MERGE,
+        FWD_ROW_STATE,
+        FWD_RESCALE,
+        FWD_FINISH,
+        CAST_F32_BF16,
+        NAIVE_FWD,
+        TRANSPOSE_BF16,
+        UNIT_TMA_COPY,
+        UNIT_WGMMA_N128,
+        UNIT_WGMMA_N256,
+    ];
 }
 
 #[cfg(all(test, feature = "std"))]

@@ -166,6 +166,23 @@ pub struct NaiveParams {
     pub _pad: u32,
 }
 
+/// Parameters of the unit kernels (`fixed::UNIT_*`), which check single instructions of the
+/// Hopper mainloop against the host.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct UnitParams {
+    /// Tensor maps in device memory: A (and, for the `wgmma` units, B after it), 128 bytes each.
+    pub tmaps: u64,
+    /// Output: the copied box's bytes (TMA unit) or f32 `[64][n]` (wgmma units).
+    pub out: u64,
+    /// Box coordinates of the TMA unit: K element and row.
+    pub k0: u32,
+    pub row0: u32,
+    /// Rows of the TMA unit's box.
+    pub rows: u32,
+    pub _pad: u32,
+}
+
 /// Bits of the status word.
 pub const STATUS_BAD_LABEL: u32 = 1;
 
@@ -186,5 +203,6 @@ mod tests {
         assert_eq!(size_of::<CastParams>(), 24);
         assert_eq!(size_of::<NaiveParams>(), 80);
         assert_eq!(size_of::<TransposeParams>(), 48);
+        assert_eq!(size_of::<UnitParams>(), 32);
     }
 }

@@ -58,18 +58,20 @@ pub struct L2Model {
 
 /// The share of the L2 cache that the resident blocks' rows of `h` may take in [`plan_l2`]; the
 /// rest holds the `W` tiles being streamed (each read by the resident blocks of its split
-/// within a short window), partials and other work. See docs/perf-notes.md for the measurements.
+/// within a short window), partials and other work.
 pub const L2_SHARE: f64 = 0.6;
 
 /// [`plan`], made L2-aware. A forward block re-reads its token tile's rows of `h` for every
-/// vocab tile it walks, so those rows must stay in L2 across the blocks resident together; `W`
-/// tiles are streamed (each read by the resident blocks of one split at about the same time).
-/// With `S` splits launched in raster groups of `ceil(slots / S)` token tiles × every split
-/// ([`raster`]), the resident blocks hold about `min(m_tiles, ceil(slots / S))` token tiles of
-/// `h`. When the plain plan's rows exceed the budget (measured: t = 16384, d = 2048 in one
-/// split ran at 1.21× the GEMM with 56% of DRAM bandwidth and 59% L2 hits), the split count
-/// with the least modelled makespan among those whose rows fit wins; when none fits, the plain
-/// plan stands.
+/// vocab tile it walks; the `S` resident blocks of one token tile (one per split) share those
+/// reads. When the resident rows do not fit in L2, `h` streams from DRAM at about
+/// `(resident blocks / S) × BM·d·2` bytes per vocab-tile period: on the H200 ≈ 2.6 TB/s / S,
+/// whatever `d` (it cancels). Measured (docs/perf-notes.md): with `S = 1` (t = 16384,
+/// d = 2048: 128 token tiles, 64 MB of `h`) that is 56% of DRAM bandwidth and the forward ran
+/// at 1.13–1.21× the GEMM; plain plans with `S ≥ 2` ran at 1.05–1.16×, no better when split
+/// further. So only a plain plan with one split whose resident rows overflow the budget is
+/// replaced: by the split count with the least modelled makespan among those whose resident
+/// rows fit, launched in raster groups of `ceil(slots / S)` token tiles × every split
+/// ([`raster`]) so that the resident blocks really are those rows (measured 1.02–1.04×).
 pub fn plan_l2(m_tiles: u32, n_tiles: u32, slots: u32, l2: L2Model) -> SplitPlan {
     let plain = plan(m_tiles, n_tiles, slots);
     let m_tiles = m_tiles.max(1);
@@ -77,7 +79,7 @@ pub fn plan_l2(m_tiles: u32, n_tiles: u32, slots: u32, l2: L2Model) -> SplitPlan
     let slots = slots.max(1);
     let resident_rows = |n_splits: u32| m_tiles.min(slots.div_ceil(n_splits));
     let fits = |n_splits: u32| resident_rows(n_splits) as u64 * l2.h_tile_bytes <= l2.budget_bytes;
-    if fits(plain.n_splits) {
+    if plain.n_splits >= 2 || fits(plain.n_splits) {
         return plain;
     }
     let mut best: Option<(u64, SplitPlan)> = None;
@@ -146,8 +148,11 @@ mod tests {
         // A plan that fits already stands: t = 1024 (8 token tiles), and t = 4096 at d = 1024.
         assert_eq!(plan_l2(8, 594, 132, h200(4096)), plan(8, 594, 132));
         assert_eq!(plan_l2(32, 594, 132, h200(1024)), plan(32, 594, 132));
+        // So does a plan whose h reads are shared by ≥ 2 splits (t = 8192, d = 4096: 2 splits).
+        assert!(plan(64, 594, 132).n_splits >= 2);
+        assert_eq!(plan_l2(64, 594, 132, h200(4096)), plan(64, 594, 132));
         // Nothing fits (d = 1 << 20): the plain plan.
-        assert_eq!(plan_l2(64, 512, 132, h200(1 << 20)), plan(64, 512, 132));
+        assert_eq!(plan_l2(128, 512, 132, h200(1 << 20)), plan(128, 512, 132));
         // Every plan still covers every tile.
         for (m, n, d) in [(128u32, 970u32, 2048u64), (64, 594, 4096), (32, 501, 4096), (64, 512, 8192)] {
             let p = plan_l2(m, n, 132, h200(d));

@@ -1,0 +1,117 @@
+//! Unit kernels: each checks one piece of the Hopper mainloop in isolation against the host, so
+//! that a wrong swizzle, descriptor or accumulator layout shows up as a named failure rather than
+//! as a wrong log-prob somewhere in a full kernel (`tests/gpu_units.rs`).
+//!
+//! Both run one warpgroup (128 threads) and use the same wrappers as the mainloop: the mbarrier
+//! and TMA wrappers of `intrinsics`, `lmhead_core::wgmma` descriptors and `hopper::wgmma_k16`.
+
+use crate::hopper::{wgmma_k16, WgAcc};
+use crate::intrinsics::{self, SmemAddr};
+use lmhead_core::params::UnitParams;
+
+/// Initialise one mbarrier at `bar` (thread 0), make it visible, and have thread 0 start the TMA
+/// load of box `(k0, row0)` of the map at `tmap` into `dst`, expecting `bytes`.
+///
+/// # Safety
+/// All threads of the block call this once with the same arguments; `bar` and `dst` lie in the
+/// dynamic shared memory (8- and 1024-byte aligned), `tmap` is a valid map whose box is `bytes`.
+#[inline(always)]
+unsafe fn load_box(tid: u32, bar: SmemAddr, dst: SmemAddr, tmap: *const u8, k0: u32, row0: u32, bytes: u32) {
+    if tid == 0 {
+        // SAFETY: the caller guarantees the barrier slot; no other thread uses it before the
+        // block barrier below.
+        unsafe { intrinsics::mbar_init(bar, 1) };
+        intrinsics::fence_mbarrier_init();
+    }
+    // SAFETY: every thread calls this once.
+    unsafe { intrinsics::sync_threads() };
+    if tid == 0 {
+        // SAFETY: initialised barrier expecting exactly the box's bytes; the caller guarantees
+        // the map and the destination.
+        unsafe {
+            intrinsics::mbar_arrive_expect_tx(bar, bytes);
+            intrinsics::tma_load_2d(dst, tmap, k0 as i32, row0 as i32, bar);
+        }
+    }
+}
+
+/// Copy box `(p.k0, p.row0)` of `p.rows` rows × 64 bf16 into shared memory with the first tensor
+/// map of `p`, then write the shared bytes unchanged to `p.out` (`rows · 128` bytes).
+///
+/// # Safety
+/// Launched with 128 threads, one block, `rows · 128 + 8` bytes of dynamic shared memory
+/// (`rows` ≤ 256 and a multiple of 8); `p.tmaps` holds a bf16 map with a 64 × `rows` box;
+/// `p.out` has `rows · 128` writable bytes, 16-byte aligned.
+pub unsafe fn tma_copy(p: &UnitParams) {
+    let tid = intrinsics::thread_idx();
+    let smem = intrinsics::smem_base();
+    let bytes = p.rows * 128;
+    let bar = smem + bytes;
+    // SAFETY: forwarded contract; `bar` follows the box (8-byte aligned as rows·128 is).
+    unsafe {
+        load_box(tid, bar, smem, p.tmaps as *const u8, p.k0, p.row0, bytes);
+        intrinsics::mbar_wait(bar, 0);
+    }
+    let mut c = tid;
+    while c < bytes / 16 {
+        // SAFETY: chunk `c` lies inside the box in shared memory and inside `out`.
+        unsafe {
+            let v = intrinsics::ld_shared_v4(smem + 16 * c);
+            intrinsics::st_global_v4((p.out as *mut f32).add(4 * c as usize), v);
+        }
+        c += 128;
+    }
+}
+
+/// `C = A · Bᵀ` for one 64 × 64 A tile and one `128·NW` × 64 B tile (both loaded by TMA from the
+/// two maps of `p` at coordinates (0, 0)), accumulated over the four k16 steps of the stage by
+/// `hopper::wgmma_k16`; thread `t` writes its accumulators to `out [64][128·NW]` (f32) at the
+/// positions the mainloop's epilogues assume (`intrinsics::wgmma_m64n128k16_bf16`).
+///
+/// # Safety
+/// Launched with 128 threads, one block, `(64 + 128·NW)·128 + 16` bytes of dynamic shared memory;
+/// `p.tmaps` holds two bf16 maps with boxes 64 × 64 (A) and 64 × `128·NW` (B), 128-byte swizzle;
+/// `p.out` has `64 · 128·NW` writable f32, 8-byte aligned.
+pub unsafe fn wgmma_tile<const NW: usize>(p: &UnitParams) {
+    let tid = intrinsics::thread_idx();
+    let smem = intrinsics::smem_base();
+    let a_bytes = 64 * 128u32;
+    let b_bytes = (128 * NW * 128) as u32;
+    let bar_a = smem + a_bytes + b_bytes;
+    let bar_b = bar_a + 8;
+    let ta = p.tmaps as *const u8;
+    // SAFETY: forwarded contract; two barriers after both tiles, each 1024-byte aligned tile.
+    unsafe {
+        load_box(tid, bar_a, smem, ta, 0, 0, a_bytes);
+        load_box(tid, bar_b, smem + a_bytes, ta.wrapping_add(128), 0, 0, b_bytes);
+        intrinsics::mbar_wait(bar_a, 0);
+        intrinsics::mbar_wait(bar_b, 0);
+    }
+    let mut acc: WgAcc<NW> = [[[[0.0; 4]; 8]; 2]; NW];
+    // SAFETY: the warpgroup is converged; both tiles landed (barriers); the accumulators are read
+    // after `wgmma_wait::<0>`.
+    unsafe {
+        intrinsics::wgmma_fence();
+        unroll!(4, |kk| {
+            let koff = (kk * 32) as u32;
+            wgmma_k16::<NW>(&mut acc, smem + koff, smem + a_bytes + koff, kk > 0);
+        });
+        intrinsics::wgmma_commit();
+        intrinsics::wgmma_wait::<0>();
+    }
+    let n = (128 * NW) as u32;
+    let (warp, lane) = (tid >> 5, tid & 31);
+    unroll!(NW, |nb| {
+        unroll!(2, |h| {
+            unroll!(8, |j| {
+                let col = (nb * 128 + h * 64 + j * 8) as u32 + 2 * (lane & 3);
+                unroll!(2, |half| {
+                    let row = 16 * warp + (lane >> 2) + 8 * half as u32;
+                    let v = acc[nb][h][j];
+                    // SAFETY: row < 64 and col + 1 < n: inside `out`; 8-byte aligned (col even).
+                    unsafe { intrinsics::st_global_v2((p.out as *mut f32).add((row * n + col) as usize), v[2 * half], v[2 * half + 1]) };
+                });
+            });
+        });
+    });
+}
