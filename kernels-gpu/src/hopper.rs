@@ -230,7 +230,7 @@ pub unsafe fn tma_split<const BM: usize, const BN: usize, const ST: usize, const
         intrinsics::fence_mbarrier_init();
     }
     // SAFETY: every thread of the block calls this function once, before any other barrier.
-    unsafe { intrinsics::sync_threads() };
+    unsafe { intrinsics::sync_threads_divergent() };
     let consumers = (WGM * 128) as u32;
     if tid < consumers {
         const R1: u32 = consumer_regs(1);

@@ -489,16 +489,29 @@ pub unsafe fn wgmma_m64n128k16_bf16(c: &mut [[[f32; 4]; 8]; 2], a_desc: u64, b_d
     };
 }
 
-/// `bar.sync ID, COUNT`: a named barrier for `COUNT` threads (whole warps) of the block, also
-/// ordering their shared-memory accesses. Lets the consumer warpgroups of a warp-specialised
-/// kernel synchronise without the producer.
+/// `barrier.sync ID, COUNT`: a named barrier for `COUNT` threads (whole warps) of the block,
+/// also ordering their shared-memory accesses. Lets the consumer warpgroups of a
+/// warp-specialised kernel synchronise without the producer. The non-`.aligned` form: threads of
+/// one warp may arrive from different branches (LLVM may duplicate a barrier that follows an
+/// `if` into both arms; with `bar.sync`, which is `.aligned`, that is undefined and can hang).
 ///
 /// # Safety
 /// Exactly `COUNT` threads (a multiple of 32) must reach barrier `ID` the same number of times.
 #[inline(always)]
 pub unsafe fn named_barrier<const ID: u32>(count: u32) {
     // SAFETY: the caller upholds the arrival count.
-    unsafe { asm!("bar.sync {id}, {n};", id = const ID, n = in(reg32) count, options(nostack)) };
+    unsafe { asm!("barrier.sync {id}, {n};", id = const ID, n = in(reg32) count, options(nostack)) };
+}
+
+/// `barrier.sync 0`: block-wide barrier for code that follows divergent branches (the
+/// non-`.aligned` form of [`sync_threads`]; see [`named_barrier`]).
+///
+/// # Safety
+/// Every thread of the block must reach this call the same number of times.
+#[inline(always)]
+pub unsafe fn sync_threads_divergent() {
+    // SAFETY: the caller upholds uniform arrival.
+    unsafe { asm!("barrier.sync 0;", options(nostack)) };
 }
 
 /// `exit`: ends this thread. Named barriers keep working for the threads that remain (their

@@ -24,7 +24,7 @@ unsafe fn load_box(tid: u32, bar: SmemAddr, dst: SmemAddr, tmap: *const u8, k0: 
         intrinsics::fence_mbarrier_init();
     }
     // SAFETY: every thread calls this once.
-    unsafe { intrinsics::sync_threads() };
+    unsafe { intrinsics::sync_threads_divergent() };
     if tid == 0 {
         // SAFETY: initialised barrier expecting exactly the box's bytes; the caller guarantees
         // the map and the destination.
