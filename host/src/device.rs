@@ -45,7 +45,8 @@ impl DeviceInfo {
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     info: DeviceInfo,
-    functions: Mutex<HashMap<String, CudaFunction>>,
+    /// Loaded kernels and the dynamic shared memory each is currently allowed.
+    functions: Mutex<HashMap<String, (CudaFunction, u32)>>,
     /// The embedded cubin, loaded on first use (`None` inside: not embedded or failed to load,
     /// with the reason in `cubin_note`).
     cubin: Mutex<Option<Option<Arc<CudaModule>>>>,
@@ -139,18 +140,32 @@ impl Gpu {
     /// embedded cubin when there is one, else JIT-compiled from its own small PTX module on first
     /// use (a JIT failure reports the driver's error log).
     pub fn function(&self, name: &str, smem: u32) -> Result<CudaFunction> {
-        if let Some(f) = self.functions.lock().unwrap().get(name) {
-            return Ok(f.clone());
-        }
         if smem > self.info.max_smem_optin {
             return Err(Error::Config(format!(
                 "`{name}` needs {smem} bytes of shared memory, the device allows {}",
                 self.info.max_smem_optin
             )));
         }
+        // A kernel launched with more shared memory than at its first use (the unit kernels'
+        // boxes vary) gets its limit raised; asking for less needs nothing.
+        let raise = |f: &CudaFunction| {
+            f.set_attribute(F::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+                .during(|| format!("raising the shared-memory limit of `{name}` to {smem}"))
+        };
+        if let Some((f, limit)) = self.functions.lock().unwrap().get_mut(name) {
+            if smem > *limit {
+                raise(f)?;
+                *limit = smem;
+            }
+            return Ok(f.clone());
+        }
         let cubin = self.cubin_module();
         let mut fns = self.functions.lock().unwrap();
-        if let Some(f) = fns.get(name) {
+        if let Some((f, limit)) = fns.get_mut(name) {
+            if smem > *limit {
+                raise(f)?;
+                *limit = smem;
+            }
             return Ok(f.clone());
         }
         let f = match cubin {
@@ -166,9 +181,8 @@ impl Gpu {
                 module.load_function(name).during(|| format!("finding kernel `{name}`"))?
             }
         };
-        f.set_attribute(F::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-            .during(|| format!("raising the shared-memory limit of `{name}` to {smem}"))?;
-        fns.insert(name.to_string(), f.clone());
+        raise(&f)?;
+        fns.insert(name.to_string(), (f.clone(), smem));
         Ok(f)
     }
 
