@@ -50,7 +50,7 @@ for s in "${steps[@]}"; do
       # A cubin assembled here by `cargo xtask build-ptx` (target/kernels/lmhead_kernels.cubin),
       # copied into .gpu/: per wgmma kernel, the count of HGMMA and of local-memory accesses.
       f=$(ls "$B"/*.cubin 2>/dev/null | head -1)
-      [ -n "$f" ] && cuobjdump --dump-sass "$f" > "$OUT/sass.txt" && awk '/Function :/{f=$3} /HGMMA/{h[f]++} /LDL|STL/{l[f]++} END{for(k in h) print k, "HGMMA", h[k], "LDL/STL", l[k]+0}' "$OUT/sass.txt" | sort ;;
+      [ -n "$f" ] && cuobjdump --dump-sass "$f" > "$OUT/sass.txt" && awk '/Function :/{f=$3} /HGMMA/{h[f]++} /LDL|STL/{l[f]++} /UTMALDG/{t[f]++} END{for(k in h) print k, "HGMMA", h[k], "UTMALDG", t[k]+0, "LDL/STL", l[k]+0}' "$OUT/sass.txt" | sort ;;
     *) echo "unknown step $s" ;;
   esac
   echo "-- $s took $(( $(date +%s) - t0 )) s"
