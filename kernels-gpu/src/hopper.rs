@@ -427,7 +427,15 @@ fn half<const NW: usize>(acc: &mut WgAcc<NW>, nb: usize, h: usize) -> &mut Acc<1
 /// `(BM + BN)·64·2·ST` bytes of dynamic shared memory; `p` describes valid device buffers as for
 /// `fwd::fwd`.
 #[inline(always)]
-pub unsafe fn fwd_wg<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const ENT: bool, const TMA: bool>(
+pub unsafe fn fwd_wg<
+    const BM: usize,
+    const BN: usize,
+    const ST: usize,
+    const WGM: usize,
+    const NW: usize,
+    const ENT: bool,
+    const TMA: bool,
+>(
     p: &LogitsParams,
 ) {
     let tid = intrinsics::thread_idx();
@@ -491,7 +499,15 @@ pub unsafe fn fwd_wg<const BM: usize, const BN: usize, const ST: usize, const WG
 /// Launched with `WGM·128` threads, grid `(ceil(t/BM), ceil(staging_stride/BN))`, the ring's
 /// dynamic shared memory; buffers as for `bwd::dlogits`.
 #[inline(always)]
-pub unsafe fn dlogits_wg<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const ENT: bool, const TMA: bool>(
+pub unsafe fn dlogits_wg<
+    const BM: usize,
+    const BN: usize,
+    const ST: usize,
+    const WGM: usize,
+    const NW: usize,
+    const ENT: bool,
+    const TMA: bool,
+>(
     p: &LogitsParams,
 ) {
     let tid = intrinsics::thread_idx();
@@ -529,7 +545,9 @@ pub unsafe fn dlogits_wg<const BM: usize, const BN: usize, const ST: usize, cons
 /// memory; `p.a` is `[m][a_stride]`, `p.b` is `[n][b_stride]`, both readable in whole 16-byte
 /// chunks up to `k` rounded up to 8 (zeros there); C buffers as for `bwd::gemm`.
 #[inline(always)]
-pub unsafe fn gemm_wg<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const TMA: bool>(p: &GemmParams) {
+pub unsafe fn gemm_wg<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const TMA: bool>(
+    p: &GemmParams,
+) {
     let tid = intrinsics::thread_idx();
     let m0 = intrinsics::block_idx_x() * BM as u32;
     let n0 = intrinsics::block_idx_y() * BN as u32;

@@ -551,9 +551,7 @@ pub fn fence_mbarrier_init() {
 #[inline(always)]
 pub unsafe fn mbar_arrive_expect_tx(addr: SmemAddr, bytes: u32) {
     // SAFETY: the caller guarantees an initialised barrier.
-    unsafe {
-        asm!("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{a}], {b};", a = in(reg32) addr, b = in(reg32) bytes, options(nostack))
-    };
+    unsafe { asm!("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{a}], {b};", a = in(reg32) addr, b = in(reg32) bytes, options(nostack)) };
 }
 
 /// `mbarrier.arrive.shared::cta.b64`: arrive once.
