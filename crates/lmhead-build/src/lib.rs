@@ -403,6 +403,14 @@ mod tests {
     }
 
     #[test]
+    fn performance_loss_notes_are_collected_once() {
+        let note = "ptxas info    : (C7508) Potential Performance Loss: 'setmaxnreg' ignored; unable to determine register count at entry.";
+        let text = format!("{note}\n{note}\nptxas info    : Compiling entry function 'k1' for 'sm_90a'\n");
+        assert_eq!(perf_warnings(&text), [note.trim().to_string()]);
+        assert!(perf_warnings("ptxas info    : Used 10 registers\n").is_empty());
+    }
+
+    #[test]
     fn launch_bounds_follow_the_tables() {
         let mut ptx = String::new();
         // Both forms llc writes: a bare `)` and `)  // @name`.

@@ -335,6 +335,22 @@ mod tests {
         assert_eq!(kernel_name(Family::FwdEnt, tc(128, 128, 32, 4, 2, 4)), "lm_head_fwd_ent_t128_v128_d32_s4_w2x4");
         assert_eq!(kernel_name(Family::BwdDw, tc(64, 64, 64, 4, 2, 2)), "lm_head_bwd_dw_m64_n64_k64_s4_w2x2");
         assert_eq!(kernel_name(Family::Fwd, wg(2, 256, 4)), "lm_head_fwd_t128_v256_d64_s4_w8x1_wg");
+        assert_eq!(kernel_name(Family::BwdDh, tw(256, 4)), "lm_head_bwd_dh_m128_n256_k64_s4_w8x1_tma");
+    }
+
+    #[test]
+    fn tma_configs_add_a_producer_warpgroup_and_their_barriers() {
+        let c = tw(256, 4);
+        assert!(c.is_well_formed());
+        assert_eq!(c.threads(), 384, "two consumer warpgroups and one producer");
+        assert_eq!(c.smem_bytes(), 4 * (128 + 256) * 128 + 2 * 4 * 8, "ring, then full and empty mbarriers");
+        assert!(!tw(256, 5).is_well_formed(), "5 stages of 48 KiB exceed shared memory");
+        assert!(!TileConfig { warps_m: 16, bm: 256, ..tw(128, 4) }.is_well_formed(), "TMA configs have two consumer warpgroups");
+        assert!(!TileConfig { wgmma: false, ..tw(128, 4) }.is_well_formed());
+        // Every family offers at least one, so the tuner can choose the TMA mainloop everywhere.
+        for f in Family::ALL {
+            assert!(f.candidates().iter().any(|c| c.tma), "{f:?}");
+        }
     }
 
     #[test]
