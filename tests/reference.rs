@@ -118,12 +118,16 @@ fn temperature_scales_logits() {
 }
 
 /// The backward reference equals central finite differences of the dense forward objective
-/// `L = Σ_t g_ℓ[t] ℓ_t + g_H[t] H_t` (checks the derivation of both gradient terms).
+/// `L = Σ_t g_ℓ[t] ℓ_t + g_H[t] H_t` (checks the derivation of both gradient terms). Ordinary
+/// rows only: with the ±1e4-logit rows of the default structure the 1e-6 central difference
+/// itself is off by ~1e-5 relative (seed 14920421091709048799 failed CI that way); those rows
+/// are covered by the GPU suites against this reference.
 #[test]
 fn backward_matches_finite_differences() {
     let seed = run_seed("backward_matches_finite_differences");
     let (t, v, d) = (3, 7, 8);
-    let c = Case::generate(seed, t, v, d, &Structure { logit_std: 1.5, ignored: 0.0, temperature: 0.8, ..Default::default() });
+    let s = Structure { logit_std: 1.5, ignored: 0.0, temperature: 0.8, huge: 0.0, all_negative: 0.0, ..Default::default() };
+    let c = Case::generate(seed, t, v, d, &s);
     let gl = [0.7, -1.3, 0.4];
     let ge = [-0.5, 0.9, 1.1];
     let obj = |h: &[f64], w: &[f64]| -> f64 {
