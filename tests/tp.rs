@@ -1,5 +1,7 @@
-//! Tensor parallelism on one GPU with the in-process communicator (one thread per rank), and a
-//! single-rank NCCL communicator when libnccl is present. Skipped without a CUDA driver.
+//! Tensor parallelism on one GPU with the in-process communicator (one thread per rank), a
+//! single-rank NCCL communicator when libnccl is present, and NCCL across 2, 4 and 8 GPUs when
+//! the machine has them (one rank per device). Skipped without a CUDA driver; the multi-GPU test
+//! also skips, saying so, with fewer than two devices.
 //!
 //! Each TP result is compared with the unsharded GPU run on the same inputs (and the forward also
 //! with the f64 reference). Sharding changes only the merge order of the row states and of the
@@ -211,4 +213,75 @@ fn nccl_single_rank_matches_unsharded() {
     check_rel_l2("dh", test, &tp.dh, &whole.dh, 1e-5);
     check_rel_l2("dW", test, &tp.dw, &whole.dw, 1e-5);
     println!("[{test}] tp nccl single rank: OK");
+}
+
+/// NCCL across GPUs: rank `r` on device `r` with its own `LmHead` and stream, `W` sharded by vocab
+/// (uneven shards), forward and backward (both dh modes) against the unsharded run on device 0.
+/// Each group size up to the device count (2, 4, 8) runs once.
+#[test]
+fn nccl_multi_gpu_matches_unsharded() {
+    let test = "tp::nccl_multi_gpu_matches_unsharded";
+    let Some((head, stream)) = gpu_or_skip(test) else { return };
+    if !lmhead::tp::NcclComm::available() {
+        println!("SKIP {test}: libnccl is not on the library path");
+        return;
+    }
+    let devices = lmhead::cudarc::driver::CudaContext::device_count().unwrap() as usize;
+    if devices < 2 {
+        println!("SKIP {test}: {devices} GPU(s) visible, this test needs at least 2");
+        return;
+    }
+    let seed = run_seed(test);
+    for (i, &(n, entropy, reduce)) in
+        [(2usize, true, ReduceDh::AllReduce), (4, false, ReduceDh::Caller), (8, true, ReduceDh::AllReduce)].iter().enumerate()
+    {
+        if n > devices {
+            println!("[{test}] n={n}: skipped, {devices} GPUs visible");
+            continue;
+        }
+        let case_seed = lmhead_tests::case_seed(seed, i);
+        let (t, v, d) = (300, 4099, 256);
+        let case = Case::generate(case_seed, t, v, d, &Structure { huge: 0.0, all_negative: 0.0, ..Default::default() });
+        let mut rng = lmhead_reference::rng::Rng::new(case_seed ^ 7);
+        let gl: Vec<f32> = (0..t).map(|_| rng.normal() as f32).collect();
+        let ge = gl_or(&(0..t).map(|_| rng.normal() as f32).collect::<Vec<_>>(), entropy);
+        let desc = format!("{test} n={n} t={t} v={v} d={d} entropy={entropy} {reduce:?} seed={case_seed}");
+        let whole = run_rank(&head, &stream, &case, (0, v), None, entropy, reduce, (&gl, &ge));
+        let heads: Vec<LmHead> = (0..n).map(|r| LmHead::new(r).unwrap()).collect();
+        let streams: Vec<Arc<CudaStream>> = heads.iter().map(|h| h.gpu().context().new_stream().unwrap()).collect();
+        let comms = lmhead::tp::NcclComm::from_streams(streams.clone()).unwrap();
+        let shards: Vec<(usize, usize)> = (0..n).map(|r| Shard::even(r, n, v)).map(|(s, len)| (s.v_begin, s.v_begin + len)).collect();
+        let ranks: Vec<Outs> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..n)
+                .map(|r| {
+                    let (head, stream, comm, range) = (&heads[r], &streams[r], &comms[r], shards[r]);
+                    let (case, gl, ge) = (&case, &gl, &ge);
+                    s.spawn(move || run_rank(head, stream, case, range, Some(comm as &dyn Communicator), entropy, reduce, (gl, ge)))
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let tol = |_: usize, _: f64| 2e-5;
+        let mut dh_sum = vec![0.0f64; t * d];
+        for (r, o) in ranks.iter().enumerate() {
+            let what = format!("{desc} rank {r}");
+            check("logprob", &what, &o.lp, &whole.lp, &tol);
+            check("lse", &what, &o.lse, &whole.lse, &tol);
+            if entropy {
+                check("entropy", &what, o.ent.as_ref().unwrap(), whole.ent.as_ref().unwrap(), &tol);
+            }
+            let (a, b) = shards[r];
+            check_rel_l2("dW shard", &what, &o.dw, &whole.dw[a * d..b * d], 1e-4);
+            match reduce {
+                ReduceDh::AllReduce => {
+                    check_rel_l2("dh (all-reduced)", &what, &o.dh, &whole.dh, 1e-4);
+                }
+                ReduceDh::Caller => dh_sum.iter_mut().zip(&o.dh).for_each(|(s, x)| *s += x),
+            }
+        }
+        if reduce == ReduceDh::Caller {
+            check_rel_l2("dh (sum of partials)", &desc, &dh_sum, &whole.dh, 1e-4);
+        }
+        println!("[{test}] tp nccl n={n} v={v} entropy={entropy} {reduce:?}: OK ({n} GPUs agree with the unsharded run)");
+    }
 }
