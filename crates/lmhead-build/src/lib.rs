@@ -166,27 +166,28 @@ pub fn entry_threads() -> BTreeMap<String, u32> {
 pub fn add_launch_bounds(ptx: &str) -> Result<String> {
     let threads = entry_threads();
     let mut out = String::with_capacity(ptx.len() + 64 * threads.len());
-    let mut pending: Option<u32> = None;
+    // (threads, warp-specialised) of the entry whose parameter list is open.
+    let mut pending: Option<(u32, bool)> = None;
     let mut seen = 0usize;
     let mut bounded = 0usize;
     for line in ptx.lines() {
         if let Some(rest) = line.trim_start().strip_prefix(".visible .entry ") {
             let name = rest.split('(').next().unwrap_or("").trim();
             let t = *threads.get(name).ok_or_else(|| format!("PTX entry `{name}` is not in the candidate tables"))?;
-            pending = Some(t);
+            pending = Some((t, name.ends_with("_tma")));
             seen += 1;
         }
         out.push_str(line);
         out.push('\n');
         // llc ends the parameter list with `)` and, for some entries, a `// @name` comment.
         if pending.is_some() && line.split("//").next().unwrap_or("").trim() == ")" {
-            let t = pending.take().unwrap();
+            let (t, specialised) = pending.take().unwrap();
             writeln!(out, ".maxntid {t}, 1, 1").unwrap();
             bounded += 1;
             // Warp-specialised kernels move registers with `setmaxnreg`, which ptxas only honours
             // when it knows the per-thread count at entry: one block per SM fixes it at
             // 65 536 / threads.
-            if name_of_entry(&out).is_some_and(|n| n.ends_with("_tma")) {
+            if specialised {
                 writeln!(out, ".minnctapersm 1").unwrap();
             }
         }
@@ -198,12 +199,6 @@ pub fn add_launch_bounds(ptx: &str) -> Result<String> {
         return Err(format!("launch bounds added to {bounded} of {seen} entries: the end of a parameter list was not recognised"));
     }
     Ok(out)
-}
-
-/// The name of the last `.entry` in `ptx`.
-fn name_of_entry(ptx: &str) -> Option<&str> {
-    let i = ptx.rfind(".visible .entry ")?;
-    ptx[i + ".visible .entry ".len()..].split('(').next().map(str::trim)
 }
 
 /// Build the kernels and return the PTX text (with launch bounds).
