@@ -22,30 +22,36 @@ pub struct SplitPlan {
 /// Plan the split for `m_tiles` token tiles and `n_tiles` vocab tiles on `slots` concurrent
 /// blocks (SM count × blocks per SM).
 pub fn plan(m_tiles: u32, n_tiles: u32, slots: u32) -> SplitPlan {
-    let slots = slots.max(1) as u64;
-    let m_tiles = m_tiles.max(1) as u64;
-    let n_tiles = n_tiles.max(1);
-    let mut best = SplitPlan { tiles_per_split: n_tiles, n_splits: 1, raster_group: 0 };
+    let mut best = SplitPlan { tiles_per_split: n_tiles.max(1), n_splits: 1, raster_group: 0 };
     let mut best_cost = u64::MAX;
-    // Walk every distinct tiles_per_split (splits from 1 up); cost = waves × tiles per block.
-    let mut per = n_tiles;
-    loop {
-        let n_splits = n_tiles.div_ceil(per);
-        let blocks = m_tiles * n_splits as u64;
-        let waves = blocks.div_ceil(slots);
-        let cost = waves * (per as u64 + BLOCK_OVERHEAD);
+    for (per, n_splits) in split_options(n_tiles) {
+        let cost = makespan(m_tiles, n_splits, per, slots);
         if cost < best_cost {
             best_cost = cost;
             best = SplitPlan { tiles_per_split: per, n_splits, raster_group: 0 };
         }
-        if per == 1 {
-            break;
-        }
-        // Next smaller tiles_per_split that changes n_splits.
-        let next_splits = n_splits + 1;
-        per = n_tiles.div_ceil(next_splits).min(per - 1);
     }
     best
+}
+
+/// Every distinct `(tiles_per_split, n_splits)` of `n_tiles` vocab tiles, from one split up to
+/// one tile per split.
+fn split_options(n_tiles: u32) -> impl Iterator<Item = (u32, u32)> {
+    let n_tiles = n_tiles.max(1);
+    let mut per = Some(n_tiles);
+    core::iter::from_fn(move || {
+        let p = per?;
+        let n_splits = n_tiles.div_ceil(p);
+        // Next smaller tiles_per_split that changes n_splits.
+        per = (p > 1).then(|| n_tiles.div_ceil(n_splits + 1).min(p - 1));
+        Some((p, n_splits))
+    })
+}
+
+/// The modelled makespan of a split: `waves · (tiles_per_split + BLOCK_OVERHEAD)`.
+fn makespan(m_tiles: u32, n_splits: u32, per: u32, slots: u32) -> u64 {
+    let blocks = m_tiles.max(1) as u64 * n_splits as u64;
+    blocks.div_ceil(slots.max(1) as u64) * (per as u64 + BLOCK_OVERHEAD)
 }
 
 /// The forward's L2 model: one token tile's rows of `h` (`BM × d × 2` bytes) and the L2 budget
@@ -83,20 +89,11 @@ pub fn plan_l2(m_tiles: u32, n_tiles: u32, slots: u32, l2: L2Model) -> SplitPlan
         return plain;
     }
     let mut best: Option<(u64, SplitPlan)> = None;
-    let mut per = n_tiles;
-    loop {
-        let n_splits = n_tiles.div_ceil(per);
-        if fits(n_splits) {
-            let waves = (m_tiles as u64 * n_splits as u64).div_ceil(slots as u64);
-            let cost = waves * (per as u64 + BLOCK_OVERHEAD);
-            if best.is_none_or(|(c, _)| cost < c) {
-                best = Some((cost, SplitPlan { tiles_per_split: per, n_splits, raster_group: resident_rows(n_splits) }));
-            }
+    for (per, n_splits) in split_options(n_tiles).filter(|&(_, n)| fits(n)) {
+        let cost = makespan(m_tiles, n_splits, per, slots);
+        if best.is_none_or(|(c, _)| cost < c) {
+            best = Some((cost, SplitPlan { tiles_per_split: per, n_splits, raster_group: resident_rows(n_splits) }));
         }
-        if per == 1 {
-            break;
-        }
-        per = n_tiles.div_ceil(n_splits + 1).min(per - 1);
     }
     best.map_or(plain, |(_, p)| p)
 }
