@@ -203,21 +203,28 @@ fn encode_tmap(op: TmaOperand) -> Result<[u8; 128]> {
 }
 
 /// The two tensor maps (A, then B) of a TMA launch in device memory, stream-ordered before the
-/// kernel. Keep the returned buffer until the launch is queued: dropping it frees it on the same
-/// stream, after the kernel.
-fn tma_maps(stream: &Arc<CudaStream>, a: TmaOperand, b: TmaOperand) -> Result<CudaSlice<u8>> {
+/// kernel, and their device address. Keep the returned buffer until the launch is queued:
+/// dropping it frees it on the same stream, after the kernel.
+fn tma_maps(stream: &Arc<CudaStream>, a: TmaOperand, b: TmaOperand) -> Result<(CudaSlice<u8>, u64)> {
     let mut both = [0u8; 256];
     both[..128].copy_from_slice(&encode_tmap(a)?);
     both[128..].copy_from_slice(&encode_tmap(b)?);
     let dev = stream.clone_htod(&both).during(|| "copying tensor maps to the device".to_string())?;
-    if !slice_addr(&dev, stream).is_multiple_of(64) {
+    let addr = dev.device_ptr(stream).0;
+    if !addr.is_multiple_of(64) {
         return Err(Error::Config("tensor-map buffer is not 64-byte aligned".into()));
     }
-    Ok(dev)
+    Ok((dev, addr))
 }
 
-fn slice_addr(s: &CudaSlice<u8>, stream: &CudaStream) -> u64 {
-    s.device_ptr(stream).0
+/// [`tma_maps`] for a TMA `cfg`; for any other config no buffer and address 0 (the kernel's
+/// `tmaps` parameter is then unused).
+fn tma_maps_for(cfg: TileConfig, stream: &Arc<CudaStream>, a: TmaOperand, b: TmaOperand) -> Result<(Option<CudaSlice<u8>>, u64)> {
+    if !cfg.tma {
+        return Ok((None, 0));
+    }
+    let (buf, addr) = tma_maps(stream, a, b)?;
+    Ok((Some(buf), addr))
 }
 
 /// Scalars shared by the logits kernels.
@@ -295,15 +302,13 @@ pub fn fwd_mainloop(
         ..Default::default()
     };
     sc.fill(&mut p);
-    let maps = match cfg.tma {
-        true => Some(tma_maps(
-            stream,
-            TmaOperand { ptr: hp, rows: dims.t, k: dims.d, stride: dims.d, box_rows: cfg.bm as u32 },
-            TmaOperand { ptr: wp, rows: dims.v, k: dims.d, stride: dims.d, box_rows: cfg.bn as u32 },
-        )?),
-        false => None,
-    };
-    p.tmaps = maps.as_ref().map_or(0, |m| slice_addr(m, stream));
+    let (maps, tmaps) = tma_maps_for(
+        cfg,
+        stream,
+        TmaOperand { ptr: hp, rows: dims.t, k: dims.d, stride: dims.d, box_rows: cfg.bm as u32 },
+        TmaOperand { ptr: wp, rows: dims.v, k: dims.d, stride: dims.d, box_rows: cfg.bn as u32 },
+    )?;
+    p.tmaps = tmaps;
     let grid = (dims.t.div_ceil(cfg.bm as usize) as u32, n_splits);
     launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
     drop(maps);
@@ -362,15 +367,13 @@ pub fn bwd_dlogits(
     };
     sc.fill(&mut p);
     // The B map ends at the chunk: rows beyond it load as zeros, as the `cp.async` path's bound.
-    let maps = match cfg.tma {
-        true => Some(tma_maps(
-            stream,
-            TmaOperand { ptr: hp, rows: dims.t, k: dims.d, stride: dims.d, box_rows: cfg.bm as u32 },
-            TmaOperand { ptr: wp, rows: chunk_begin + chunk, k: dims.d, stride: dims.d, box_rows: cfg.bn as u32 },
-        )?),
-        false => None,
-    };
-    p.tmaps = maps.as_ref().map_or(0, |m| slice_addr(m, stream));
+    let (maps, tmaps) = tma_maps_for(
+        cfg,
+        stream,
+        TmaOperand { ptr: hp, rows: dims.t, k: dims.d, stride: dims.d, box_rows: cfg.bm as u32 },
+        TmaOperand { ptr: wp, rows: chunk_begin + chunk, k: dims.d, stride: dims.d, box_rows: cfg.bn as u32 },
+    )?;
+    p.tmaps = tmaps;
     // Columns beyond the chunk up to a whole tile are written only below `stride`.
     let grid = (dims.t.div_ceil(cfg.bm as usize) as u32, stride.div_ceil(cfg.bn as usize) as u32);
     launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
@@ -466,15 +469,13 @@ fn launch_gemm(
         p.c_out = o.check(m * n, if mode.out_f32 { 8 } else { 4 })?;
     }
     // TMA configs are K-major (only `bwd_gemm_kk` passes them here).
-    let maps = match cfg.tma {
-        true => Some(tma_maps(
-            stream,
-            TmaOperand { ptr: a, rows: m, k, stride: a_stride, box_rows: cfg.bm as u32 },
-            TmaOperand { ptr: b, rows: n, k, stride: b_stride, box_rows: cfg.bn as u32 },
-        )?),
-        false => None,
-    };
-    p.tmaps = maps.as_ref().map_or(0, |m| slice_addr(m, stream));
+    let (maps, tmaps) = tma_maps_for(
+        cfg,
+        stream,
+        TmaOperand { ptr: a, rows: m, k, stride: a_stride, box_rows: cfg.bm as u32 },
+        TmaOperand { ptr: b, rows: n, k, stride: b_stride, box_rows: cfg.bn as u32 },
+    )?;
+    p.tmaps = tmaps;
     let grid = (m.div_ceil(cfg.bm as usize) as u32, n.div_ceil(cfg.bn as usize) as u32);
     launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
     drop(maps);
@@ -670,8 +671,8 @@ pub fn unit_tma_copy(
         return Err(Error::Config(format!("unit TMA box of {rows} rows (1..=256, multiple of 8)")));
     }
     let a = TmaOperand { ptr: src.check(src_rows * stride, 16)?, rows: src_rows, k, stride, box_rows: rows };
-    let maps = tma_maps(stream, a, a)?;
-    let p = UnitParams { tmaps: slice_addr(&maps, stream), out: out.check(rows as usize * 64, 16)?, k0, row0, rows, _pad: 0 };
+    let (maps, tmaps) = tma_maps(stream, a, a)?;
+    let p = UnitParams { tmaps, out: out.check(rows as usize * 64, 16)?, k0, row0, rows, _pad: 0 };
     launch(gpu, stream, fixed::UNIT_TMA_COPY, rows * 128 + 8, (1, 1), 128, p)?;
     drop(maps);
     Ok(())
@@ -687,8 +688,8 @@ pub fn unit_wgmma(gpu: &Gpu, stream: &Arc<CudaStream>, a: &Dev, b: &Dev, n: usiz
     };
     let ta = TmaOperand { ptr: a.check(64 * 64, 16)?, rows: 64, k: 64, stride: 64, box_rows: 64 };
     let tb = TmaOperand { ptr: b.check(n * 64, 16)?, rows: n, k: 64, stride: 64, box_rows: n as u32 };
-    let maps = tma_maps(stream, ta, tb)?;
-    let p = UnitParams { tmaps: slice_addr(&maps, stream), out: out.check(64 * n, 8)?, ..Default::default() };
+    let (maps, tmaps) = tma_maps(stream, ta, tb)?;
+    let p = UnitParams { tmaps, out: out.check(64 * n, 8)?, ..Default::default() };
     launch(gpu, stream, name, ((64 + n) * 128 + 16) as u32, (1, 1), 128, p)?;
     drop(maps);
     Ok(())
