@@ -152,21 +152,20 @@ impl Gpu {
             f.set_attribute(F::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
                 .during(|| format!("raising the shared-memory limit of `{name}` to {smem}"))
         };
-        if let Some((f, limit)) = self.functions.lock().unwrap().get_mut(name) {
+        let cached = |(f, limit): &mut (CudaFunction, u32)| -> Result<CudaFunction> {
             if smem > *limit {
                 raise(f)?;
                 *limit = smem;
             }
-            return Ok(f.clone());
+            Ok(f.clone())
+        };
+        if let Some(entry) = self.functions.lock().unwrap().get_mut(name) {
+            return cached(entry);
         }
         let cubin = self.cubin_module();
         let mut fns = self.functions.lock().unwrap();
-        if let Some((f, limit)) = fns.get_mut(name) {
-            if smem > *limit {
-                raise(f)?;
-                *limit = smem;
-            }
-            return Ok(f.clone());
+        if let Some(entry) = fns.get_mut(name) {
+            return cached(entry);
         }
         let f = match cubin {
             Some(m) => m.load_function(name).during(|| format!("finding kernel `{name}` in the embedded cubin"))?,
