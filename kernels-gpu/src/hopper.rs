@@ -116,10 +116,7 @@ pub unsafe fn wg_pipeline<const BM: usize, const BN: usize, const ST: usize, con
                 intrinsics::wgmma_fence();
                 unroll!(4, |kk| {
                     let koff = (kk * 32) as u32;
-                    unroll!(NW, |nb| {
-                        let bd = desc_k_major_sw128(b_s + (nb * 128 * 128) as u32 + koff);
-                        intrinsics::wgmma_m64n128k16_bf16(&mut acc[nb], desc_k_major_sw128(a_s + koff), bd, k > 0 || kk > 0);
-                    });
+                    wgmma_k16_n128::<NW>(acc, a_s + koff, b_s + koff, k > 0 || kk > 0);
                 });
                 intrinsics::wgmma_commit();
                 intrinsics::wgmma_wait::<1>();
@@ -374,11 +371,23 @@ pub(crate) unsafe fn wgmma_k16<const NW: usize>(acc: &mut WgAcc<NW>, a_s: SmemAd
         // 1024 bytes apart, as for two n128 blocks.
         unsafe { intrinsics::wgmma_m64n256k16_bf16(pair, ad, desc_k_major_sw128(b_s), accumulate) };
     } else {
-        unroll!(NW, |nb| {
-            // SAFETY: forwarded contract.
-            unsafe { intrinsics::wgmma_m64n128k16_bf16(&mut acc[nb], ad, desc_k_major_sw128(b_s + (nb * 128 * 128) as u32), accumulate) };
-        });
+        // SAFETY: forwarded contract.
+        unsafe { wgmma_k16_n128::<NW>(acc, a_s, b_s, accumulate) };
     }
+}
+
+/// One k16 step as `NW` `m64n128k16` instructions, one per 128-column block (the `cp.async`
+/// Hopper path keeps this form for every width).
+///
+/// # Safety
+/// As [`wgmma_k16`].
+#[inline(always)]
+unsafe fn wgmma_k16_n128<const NW: usize>(acc: &mut WgAcc<NW>, a_s: SmemAddr, b_s: SmemAddr, accumulate: bool) {
+    let ad = desc_k_major_sw128(a_s);
+    unroll!(NW, |nb| {
+        // SAFETY: forwarded contract; block `nb` of B starts 128 rows (16 KiB) further.
+        unsafe { intrinsics::wgmma_m64n128k16_bf16(&mut acc[nb], ad, desc_k_major_sw128(b_s + (nb * 128 * 128) as u32), accumulate) };
+    });
 }
 
 /// [`wg_pipeline`] or, for `TMA`, [`tma_pipeline`] (after [`tma_split`] at the kernel's start).
@@ -423,8 +432,9 @@ fn half<const NW: usize>(acc: &mut WgAcc<NW>, nb: usize, h: usize) -> &mut Acc<1
 /// The fused forward on the Hopper mainloop. Same contract and outputs as `fwd::fwd`.
 ///
 /// # Safety
-/// Launched with `WGM·128` threads, a grid of `(ceil(t/BM), n_splits)` blocks and
-/// `(BM + BN)·64·2·ST` bytes of dynamic shared memory; `p` describes valid device buffers as for
+/// Launched with `WGM·128` threads (`(WGM + 1)·128` for `TMA`: the producer warpgroup), a grid of
+/// `(ceil(t/BM), n_splits)` blocks and `(BM + BN)·64·2·ST` bytes of dynamic shared memory (plus
+/// `16·ST` for `TMA`'s mbarriers, and `p.tmaps` set); `p` describes valid device buffers as for
 /// `fwd::fwd`.
 #[inline(always)]
 pub unsafe fn fwd_wg<
@@ -496,8 +506,9 @@ pub unsafe fn fwd_wg<
 /// `bwd::dlogits`.
 ///
 /// # Safety
-/// Launched with `WGM·128` threads, grid `(ceil(t/BM), ceil(staging_stride/BN))`, the ring's
-/// dynamic shared memory; buffers as for `bwd::dlogits`.
+/// Launched with `WGM·128` threads (`(WGM + 1)·128` for `TMA`), grid
+/// `(ceil(t/BM), ceil(staging_stride/BN))`, the ring's dynamic shared memory (with `TMA`'s
+/// mbarriers and `p.tmaps`); buffers as for `bwd::dlogits`.
 #[inline(always)]
 pub unsafe fn dlogits_wg<
     const BM: usize,
@@ -541,8 +552,8 @@ pub unsafe fn dlogits_wg<
 /// transposes the staging buffer, `W` chunk and `h` as needed), on the Hopper mainloop.
 ///
 /// # Safety
-/// Launched with `WGM·128` threads, grid `(ceil(m/BM), ceil(n/BN))`, the ring's dynamic shared
-/// memory; `p.a` is `[m][a_stride]`, `p.b` is `[n][b_stride]`, both readable in whole 16-byte
+/// Launched with `WGM·128` threads (`(WGM + 1)·128` for `TMA`), grid `(ceil(m/BM), ceil(n/BN))`,
+/// the ring's dynamic shared memory (with `TMA`'s mbarriers and `p.tmaps`); `p.a` is `[m][a_stride]`, `p.b` is `[n][b_stride]`, both readable in whole 16-byte
 /// chunks up to `k` rounded up to 8 (zeros there); C buffers as for `bwd::gemm`.
 #[inline(always)]
 pub unsafe fn gemm_wg<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const TMA: bool>(
