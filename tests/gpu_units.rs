@@ -7,22 +7,13 @@ use lmhead::bf16;
 use lmhead::cudarc::driver::CudaSlice;
 use lmhead::launch::{dev_in, dev_out, unit_tma_copy, unit_wgmma};
 use lmhead::testing::{poison, upload_bf16};
+use lmhead_reference::rng::Rng;
 use lmhead_tests::{case_seed, gpu_or_skip, run_seed};
 
-/// A small deterministic generator (splitmix64) for bf16 bit patterns of moderate values.
+/// Bit patterns of bf16 values uniform in [−2, 2), from the reference's replayable generator.
 fn bf16_values(seed: u64, n: usize) -> Vec<u16> {
-    let mut x = seed;
-    (0..n)
-        .map(|_| {
-            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = x;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            let f = ((z >> 40) as f64 / (1u64 << 24) as f64 - 0.5) * 4.0;
-            bf16::from_f64(f).to_bits()
-        })
-        .collect()
+    let mut rng = Rng::new(seed);
+    (0..n).map(|_| lmhead_reference::bf16::from_f32(((rng.uniform() - 0.5) * 4.0) as f32)).collect()
 }
 
 #[test]
@@ -80,11 +71,11 @@ fn wgmma_tiles_match_f64() {
             unit_wgmma(head.gpu(), &stream, &ia, &ib, n, &o).unwrap();
         }
         let got = stream.clone_dtoh(&out).unwrap();
-        let f = |x: u16| bf16::from_bits(x).to_f64();
+        let f = lmhead_reference::bf16::to_f64;
         let mut max_rel = 0.0f64;
         for i in 0..64 {
             for j in 0..n {
-                let want: f64 = (0..64).map(|k| f(a[i * 64 + k]) * f(b[j * 64 + k])).sum();
+                let want = lmhead_reference::bf16::dot(&a[i * 64..(i + 1) * 64], &b[j * 64..(j + 1) * 64]);
                 let g = got[i * n + j] as f64;
                 // Products of bf16 are exact in f32; 64 terms of |x| ≤ 2 accumulate ≤ 1e-5
                 // relative to the row's scale (NaN from the poison fails the comparison).
