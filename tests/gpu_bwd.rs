@@ -184,16 +184,20 @@ fn run_all(test: &str, cases: &[BwdCase]) {
     }
 }
 
+/// The first candidate of each backward family that `pick` accepts.
+fn first_configs(pick: impl Fn(&lmhead::TileConfig) -> bool) -> BwdConfigs {
+    let first = |f: Family| Choice::Fixed(*f.candidates().iter().find(|c| pick(c)).expect("a matching candidate"));
+    BwdConfigs { dlogits: first(Family::BwdDlogits), dh: first(Family::BwdDh), dw: first(Family::BwdDw) }
+}
+
 /// The first `wgmma` candidates (`cp.async` ring) of the backward families.
 fn hopper_configs() -> BwdConfigs {
-    let first = |f: Family| Choice::Fixed(*f.candidates().iter().find(|c| c.wgmma && !c.tma).expect("a wgmma candidate"));
-    BwdConfigs { dlogits: first(Family::BwdDlogits), dh: first(Family::BwdDh), dw: first(Family::BwdDw) }
+    first_configs(|c| c.wgmma && !c.tma)
 }
 
 /// The first warp-specialised TMA candidates of the backward families.
 fn tma_configs() -> BwdConfigs {
-    let first = |f: Family| Choice::Fixed(*f.candidates().iter().find(|c| c.tma).expect("a TMA candidate"));
-    BwdConfigs { dlogits: first(Family::BwdDlogits), dh: first(Family::BwdDh), dw: first(Family::BwdDw) }
+    first_configs(|c| c.tma)
 }
 
 /// Shapes and upstream-gradient combinations; several chunks with a tail; f32 and bf16 outputs;
