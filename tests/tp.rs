@@ -95,17 +95,53 @@ fn run_rank(
     }
 }
 
-fn tp_case(test: &str, n: usize, v: usize, entropy: bool, reduce: ReduceDh, seed: u64) -> String {
-    let (t, d) = (300, 256);
+/// A TP test problem: ordinary rows (no ±1e4 or all-negative rows: sharding only reorders
+/// merges, which the tight thresholds below measure) and normal upstream gradients; the entropy
+/// gradient is zero when entropy is not computed.
+fn tp_inputs(seed: u64, t: usize, v: usize, d: usize, entropy: bool) -> (Case, Vec<f32>, Vec<f32>) {
     let case = Case::generate(seed, t, v, d, &Structure { huge: 0.0, all_negative: 0.0, ..Default::default() });
     let mut rng = lmhead_reference::rng::Rng::new(seed ^ 7);
     let gl: Vec<f32> = (0..t).map(|_| rng.normal() as f32).collect();
     let ge: Vec<f32> = (0..t).map(|_| rng.normal() as f32).collect();
+    (case, gl, gl_or(&ge, entropy))
+}
+
+/// Every rank's outputs against the unsharded run: log-prob, lse (and entropy) within `2e-5`, its
+/// `dW` shard and `dh` (all-reduced, or the sum of the ranks' partials) within relative L2 `1e-4`.
+fn check_ranks(desc: &str, d: usize, shards: &[(usize, usize)], ranks: &[Outs], whole: &Outs, entropy: bool, reduce: ReduceDh) {
+    let tol = |_: usize, _: f64| 2e-5;
+    let mut dh_sum = vec![0.0f64; whole.dh.len()];
+    for (r, o) in ranks.iter().enumerate() {
+        let what = format!("{desc} rank {r}");
+        check("logprob", &what, &o.lp, &whole.lp, &tol);
+        check("lse", &what, &o.lse, &whole.lse, &tol);
+        if entropy {
+            check("entropy", &what, o.ent.as_ref().unwrap(), whole.ent.as_ref().unwrap(), &tol);
+        } else {
+            assert!(o.ent.is_none());
+        }
+        let (a, b) = shards[r];
+        check_rel_l2("dW shard", &what, &o.dw, &whole.dw[a * d..b * d], 1e-4);
+        match reduce {
+            ReduceDh::AllReduce => {
+                check_rel_l2("dh (all-reduced)", &what, &o.dh, &whole.dh, 1e-4);
+            }
+            ReduceDh::Caller => dh_sum.iter_mut().zip(&o.dh).for_each(|(s, x)| *s += x),
+        }
+    }
+    if reduce == ReduceDh::Caller {
+        check_rel_l2("dh (sum of partials)", desc, &dh_sum, &whole.dh, 1e-4);
+    }
+}
+
+fn tp_case(test: &str, n: usize, v: usize, entropy: bool, reduce: ReduceDh, seed: u64) -> String {
+    let (t, d) = (300, 256);
+    let (case, gl, ge) = tp_inputs(seed, t, v, d, entropy);
     let desc = format!("{test} n={n} t={t} v={v} d={d} entropy={entropy} {reduce:?} seed={seed}");
     // Unsharded reference run on the GPU.
     let head = LmHead::new(0).unwrap();
     let stream = head.gpu().context().default_stream();
-    let whole = run_rank(&head, &stream, &case, (0, v), None, entropy, reduce, (&gl, &gl_or(&ge, entropy)));
+    let whole = run_rank(&head, &stream, &case, (0, v), None, entropy, reduce, (&gl, &ge));
     // Every shard holds some label (so every rank's label path is exercised).
     let shards: Vec<(usize, usize)> = (0..n).map(|r| Shard::even(r, n, v)).map(|(s, len)| (s.v_begin, s.v_begin + len)).collect();
     for &(a, b) in &shards {
@@ -122,37 +158,13 @@ fn tp_case(test: &str, n: usize, v: usize, entropy: bool, reduce: ReduceDh, seed
                 s.spawn(move || {
                     let head = LmHead::new(0).unwrap();
                     let stream = head.gpu().context().new_stream().unwrap();
-                    run_rank(&head, &stream, case, range, Some(comm as &dyn Communicator), entropy, reduce, (gl, &gl_or(ge, entropy)))
+                    run_rank(&head, &stream, case, range, Some(comm as &dyn Communicator), entropy, reduce, (gl, ge))
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    let tol = |_: usize, _: f64| 2e-5;
-    for (r, o) in ranks.iter().enumerate() {
-        let what = format!("{desc} rank {r}");
-        check("logprob", &what, &o.lp, &whole.lp, &tol);
-        check("lse", &what, &o.lse, &whole.lse, &tol);
-        if entropy {
-            check("entropy", &what, o.ent.as_ref().unwrap(), whole.ent.as_ref().unwrap(), &tol);
-        } else {
-            assert!(o.ent.is_none());
-        }
-        let (a, b) = shards[r];
-        check_rel_l2("dW shard", &what, &o.dw, &whole.dw[a * case.d..b * case.d], 1e-4);
-        if reduce == ReduceDh::AllReduce {
-            check_rel_l2("dh (all-reduced)", &what, &o.dh, &whole.dh, 1e-4);
-        }
-    }
-    if reduce == ReduceDh::Caller {
-        let mut sum = vec![0.0f64; t * case.d];
-        for o in &ranks {
-            for (s, x) in sum.iter_mut().zip(&o.dh) {
-                *s += x;
-            }
-        }
-        check_rel_l2("dh (sum of partials)", &desc, &sum, &whole.dh, 1e-4);
-    }
+    check_ranks(&desc, d, &shards, &ranks, &whole, entropy, reduce);
     // And the unsharded forward against the f64 reference, as a sanity anchor.
     let r = forward(&case.inputs());
     check("logprob vs f64", &desc, &whole.lp, &r.logprob, &|_, _| 2e-4);
@@ -241,10 +253,7 @@ fn nccl_multi_gpu_matches_unsharded() {
         }
         let case_seed = lmhead_tests::case_seed(seed, i);
         let (t, v, d) = (300, 4099, 256);
-        let case = Case::generate(case_seed, t, v, d, &Structure { huge: 0.0, all_negative: 0.0, ..Default::default() });
-        let mut rng = lmhead_reference::rng::Rng::new(case_seed ^ 7);
-        let gl: Vec<f32> = (0..t).map(|_| rng.normal() as f32).collect();
-        let ge = gl_or(&(0..t).map(|_| rng.normal() as f32).collect::<Vec<_>>(), entropy);
+        let (case, gl, ge) = tp_inputs(case_seed, t, v, d, entropy);
         let desc = format!("{test} n={n} t={t} v={v} d={d} entropy={entropy} {reduce:?} seed={case_seed}");
         let whole = run_rank(&head, &stream, &case, (0, v), None, entropy, reduce, (&gl, &ge));
         let heads: Vec<LmHead> = (0..n).map(|r| LmHead::new(r).unwrap()).collect();
@@ -261,27 +270,7 @@ fn nccl_multi_gpu_matches_unsharded() {
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        let tol = |_: usize, _: f64| 2e-5;
-        let mut dh_sum = vec![0.0f64; t * d];
-        for (r, o) in ranks.iter().enumerate() {
-            let what = format!("{desc} rank {r}");
-            check("logprob", &what, &o.lp, &whole.lp, &tol);
-            check("lse", &what, &o.lse, &whole.lse, &tol);
-            if entropy {
-                check("entropy", &what, o.ent.as_ref().unwrap(), whole.ent.as_ref().unwrap(), &tol);
-            }
-            let (a, b) = shards[r];
-            check_rel_l2("dW shard", &what, &o.dw, &whole.dw[a * d..b * d], 1e-4);
-            match reduce {
-                ReduceDh::AllReduce => {
-                    check_rel_l2("dh (all-reduced)", &what, &o.dh, &whole.dh, 1e-4);
-                }
-                ReduceDh::Caller => dh_sum.iter_mut().zip(&o.dh).for_each(|(s, x)| *s += x),
-            }
-        }
-        if reduce == ReduceDh::Caller {
-            check_rel_l2("dh (sum of partials)", &desc, &dh_sum, &whole.dh, 1e-4);
-        }
+        check_ranks(&desc, d, &shards, &ranks, &whole, entropy, reduce);
         println!("[{test}] tp nccl n={n} v={v} entropy={entropy} {reduce:?}: OK ({n} GPUs agree with the unsharded run)");
     }
 }
