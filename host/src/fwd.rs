@@ -153,7 +153,7 @@ impl LmHead {
         let ws = &mut *guard;
         let plan = self.plan_split(family, cfg, p)?;
         let n_splits = {
-            let partials = ws.partials.get(stream, split_count(cfg, p, plan.tiles_per_split) * p.t)?;
+            let partials = ws.partials.get(stream, plan.n_splits as usize * p.t)?;
             let pd = dev_out(partials, stream, "partials")?;
             launch::fwd_mainloop(&self.gpu, stream, entropy.is_some(), cfg, plan, dims, sc, &h, &w, &labels, &pd)?
         };
@@ -240,7 +240,7 @@ impl LmHead {
         let dims = Dims { t: p.t, v: p.v, d: p.d };
         self.tuner.pick(&key, choice, &mut |cfg| {
             let plan = self.plan_split(family, cfg, p)?;
-            let n = split_count(cfg, p, plan.tiles_per_split);
+            let n = plan.n_splits as usize;
             let mut partials = stream
                 .alloc_zeros::<crate::workspace::PartialRepr>(n * p.t)
                 .map_err(|_| Error::OutOfMemory { what: "tuning partials", bytes: n * p.t * 16 })?;
@@ -275,9 +275,4 @@ impl LmHead {
             Ok(crate::tune::Trial { ms, check: check.into_iter().map(|x| x as f64).collect() })
         })
     }
-}
-
-/// Splits of the vocab tiles for `cfg` with `tiles_per_split`.
-pub(crate) fn split_count(cfg: TileConfig, p: Problem, tiles_per_split: u32) -> usize {
-    (p.v.div_ceil(cfg.bn as usize) as u32).div_ceil(tiles_per_split) as usize
 }
