@@ -299,7 +299,9 @@ fn large_indices_past_2_pow_31() {
         for (&i, r) in rows.iter().zip(&r) {
             let tol = 1e-4 + r.lse.abs().max(1.0) * f64::powi(2.0, -22) * (d as f64 / 16.0 + 4.0);
             assert!((glp[i] - r.logprob).abs() <= tol, "logprob row {i}: {} vs {} [{desc}]", glp[i], r.logprob);
-            assert!((gent[i] - r.entropy).abs() <= tol + 1e-4 * r.entropy, "entropy row {i} [{desc}]");
+            // Entropy: a per-logit error moves H by up to `spread` times it (tests/gpu_fwd.rs).
+            let ent_tol = 1e-4 + (tol - 1e-4) * (1.0 + r.spread) + 1e-4 * r.entropy;
+            assert!((gent[i] - r.entropy).abs() <= ent_tol, "entropy row {i} [{desc}]");
         }
         // Backward: dW rows at the end of the vocab (the largest offsets), f32 output.
         let g = upload(&stream, &vec![1.0f32; t]).unwrap();

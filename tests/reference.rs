@@ -96,6 +96,35 @@ fn extreme_rows_stay_finite() {
     close(&r.entropy, &ent, 1e-9, "entropy", seed);
 }
 
+/// `RowOut::spread` is the entropy's first-order sensitivity to logit errors (the GPU tests'
+/// entropy tolerance rests on it): moving each logit by `ε` against the sign of `p_j·(z_j − μ)`
+/// raises `H` by `ε·spread`, and random `±ε` moves never exceed it.
+#[test]
+fn entropy_spread_bounds_logit_errors() {
+    let seed = run_seed("entropy_spread_bounds_logit_errors");
+    let c = Case::generate(seed, 8, 300, 32, &Structure { huge: 0.25, ..Default::default() });
+    let inp = c.inputs();
+    let mut rng = lmhead_reference::rng::Rng::new(seed);
+    for i in 0..c.t {
+        let z: Vec<f64> = (0..c.v).map(|j| b16::dot(&c.h[i * c.d..(i + 1) * c.d], &c.w[j * c.d..(j + 1) * c.d])).collect();
+        let r = lmhead_reference::fwd::row_from_logits(&z, 0, &inp);
+        let mu = r.lse - r.entropy;
+        let eps = 1e-7 * r.lse.abs().max(1.0);
+        let worst: Vec<f64> = z.iter().map(|&x| x - eps * (x - mu).signum()).collect();
+        let dh = lmhead_reference::fwd::row_from_logits(&worst, 0, &inp).entropy - r.entropy;
+        assert!(
+            (dh - eps * r.spread).abs() <= 1e-2 * eps * r.spread + 1e-9,
+            "row {i}: dH {dh:e} vs eps*spread {:e} (seed {seed})",
+            eps * r.spread
+        );
+        for _ in 0..4 {
+            let noisy: Vec<f64> = z.iter().map(|&x| x + if rng.below(2) == 0 { eps } else { -eps }).collect();
+            let dn = lmhead_reference::fwd::row_from_logits(&noisy, 0, &inp).entropy - r.entropy;
+            assert!(dn.abs() <= 1.01 * eps * r.spread + 1e-9, "row {i}: random dH {dn:e} > eps*spread (seed {seed})");
+        }
+    }
+}
+
 #[test]
 fn ignore_index_and_bad_labels() {
     let mut c = Case::generate(7, 4, 10, 8, &Structure::default());

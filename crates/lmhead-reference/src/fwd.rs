@@ -13,6 +13,10 @@ pub struct RowOut {
     pub lse: f64,
     pub logprob: f64,
     pub entropy: f64,
+    /// `Σ_j p_j·|z_j − μ|` with `μ = Σ_j p_j·z_j`: how far the logits spread under the row's own
+    /// distribution. The entropy's sensitivity to logit errors: `∂H/∂z_j = −p_j·(z_j − μ)`, so
+    /// errors of at most `ε` per logit move `H` by at most `ε·spread` (to first order).
+    pub spread: f64,
 }
 
 /// Every token's outputs.
@@ -64,14 +68,17 @@ pub fn row_from_logits(z: &[f64], label: i64, inp: &Inputs) -> RowOut {
             })
             .sum()
     };
+    // μ = Σ p z = lse − H.
+    let mu = lse - entropy;
+    let spread: f64 = if nan { f64::NAN } else { z.iter().map(|&x| (x - lse).exp() * (x - mu).abs()).sum() };
     if label == inp.ignore_index {
-        return RowOut { lse, logprob: 0.0, entropy: 0.0 };
+        return RowOut { lse, logprob: 0.0, entropy: 0.0, spread };
     }
     let local = label - inp.v_begin;
     if label < 0 || label >= inp.v_total || local < 0 || local >= inp.v as i64 {
-        return RowOut { lse, logprob: f64::NAN, entropy: f64::NAN };
+        return RowOut { lse, logprob: f64::NAN, entropy: f64::NAN, spread };
     }
-    RowOut { lse, logprob: z[local as usize] - lse, entropy }
+    RowOut { lse, logprob: z[local as usize] - lse, entropy, spread }
 }
 
 /// The outputs of the given rows (any order, repeats allowed).
