@@ -71,13 +71,16 @@ pub const L2_SHARE: f64 = 0.6;
 /// vocab tile it walks; the `S` resident blocks of one token tile (one per split) share those
 /// reads. When the resident rows do not fit in L2, `h` streams from DRAM at about
 /// `(resident blocks / S) × BM·d·2` bytes per vocab-tile period: on the H200 ≈ 2.6 TB/s / S,
-/// whatever `d` (it cancels). Measured (docs/perf-notes.md): with `S = 1` (t = 16384,
-/// d = 2048: 128 token tiles, 64 MB of `h`) that is 56% of DRAM bandwidth and the forward ran
-/// at 1.13–1.21× the GEMM; plain plans with `S ≥ 2` ran at 1.05–1.16×, no better when split
-/// further. So only a plain plan with one split whose resident rows overflow the budget is
-/// replaced: by the split count with the least modelled makespan among those whose resident
-/// rows fit, launched in raster groups of `ceil(slots / S)` token tiles × every split
-/// ([`raster`]) so that the resident blocks really are those rows (measured 1.02–1.04×).
+/// whatever `d` (it cancels). That costs time directly and, as much, clock: the H200 runs these
+/// shapes at its power limit, and DRAM traffic lowers the SM clock. Measured
+/// (docs/perf-notes.md): t = 16384, d = 2048, one split, 64 MB of `h` resident: DRAM 56% of
+/// peak, 1.13–1.21× the GEMM → 1.02–1.04× re-planned; t = 8192, d = 4096, two splits, 64 MB
+/// resident: DRAM 44%, SM clock 1.40 GHz, 14.7 ms under ncu → with 8 splits in raster groups of
+/// 16: DRAM 18%, 1.50 GHz, 13.8 ms; t = 8192, d = 8192 (128 MB resident): 1.07× → 1.03–1.04×.
+/// So a plain plan whose resident rows overflow the budget is replaced by the split count with
+/// the least modelled makespan among those whose resident rows fit, launched in raster groups
+/// of `ceil(slots / S)` token tiles × every split ([`raster`]) so that the resident blocks
+/// really are those rows.
 pub fn plan_l2(m_tiles: u32, n_tiles: u32, slots: u32, l2: L2Model) -> SplitPlan {
     let plain = plan(m_tiles, n_tiles, slots);
     let m_tiles = m_tiles.max(1);
@@ -85,7 +88,7 @@ pub fn plan_l2(m_tiles: u32, n_tiles: u32, slots: u32, l2: L2Model) -> SplitPlan
     let slots = slots.max(1);
     let resident_rows = |n_splits: u32| m_tiles.min(slots.div_ceil(n_splits));
     let fits = |n_splits: u32| resident_rows(n_splits) as u64 * l2.h_tile_bytes <= l2.budget_bytes;
-    if plain.n_splits >= 2 || fits(plain.n_splits) {
+    if fits(plain.n_splits) {
         return plain;
     }
     let mut best: Option<(u64, SplitPlan)> = None;
@@ -145,9 +148,12 @@ mod tests {
         // A plan that fits already stands: t = 1024 (8 token tiles), and t = 4096 at d = 1024.
         assert_eq!(plan_l2(8, 594, 132, h200(4096)), plan(8, 594, 132));
         assert_eq!(plan_l2(32, 594, 132, h200(1024)), plan(32, 594, 132));
-        // So does a plan whose h reads are shared by ≥ 2 splits (t = 8192, d = 4096: 2 splits).
-        assert!(plan(64, 594, 132).n_splits >= 2);
-        assert_eq!(plan_l2(64, 594, 132, h200(4096)), plan(64, 594, 132));
+        // A multi-split plan whose resident rows overflow is re-planned too (t = 8192, d = 4096:
+        // 2 splits, 64 token tiles = 64 MB resident).
+        let plain = plan(64, 594, 132);
+        let p = plan_l2(64, 594, 132, h200(4096));
+        assert!(plain.n_splits >= 2 && p.n_splits > plain.n_splits && p.raster_group > 0, "{plain:?} {p:?}");
+        assert!(p.raster_group as u64 * 128 * 4096 * 2 <= 30 * MB, "{p:?}");
         // Nothing fits (d = 1 << 20): the plain plan.
         assert_eq!(plan_l2(128, 512, 132, h200(1 << 20)), plan(128, 512, 132));
         // Every plan still covers every tile.
