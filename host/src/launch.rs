@@ -16,6 +16,7 @@ use lmhead_core::config::{fixed, kernel_name, Family, TileConfig};
 use lmhead_core::params::{
     CastParams, GemmParams, LogitsParams, MergeParams, NaiveParams, TransposeParams, UnitParams, LABELS_I32, LABELS_I64,
 };
+use lmhead_core::split;
 
 use crate::device::Gpu;
 use crate::error::{Context as _, Error, Result};
@@ -315,6 +316,19 @@ pub fn fwd_mainloop(
     Ok(n_splits)
 }
 
+/// Launch order of a Hopper backward grid with `m_tiles` along x: [`split::gemm_raster`]
+/// (the `cp.async` kernels ignore it: 0). `LMHEAD_BWD_RASTER` overrides it (0 = plain order),
+/// for measurements.
+fn bwd_raster(gpu: &Gpu, cfg: TileConfig, m_tiles: u32) -> u32 {
+    if !cfg.wgmma {
+        return 0;
+    }
+    if let Some(g) = std::env::var("LMHEAD_BWD_RASTER").ok().and_then(|v| v.parse::<u32>().ok()) {
+        return g;
+    }
+    split::gemm_raster(cfg.bm as u32, cfg.bn as u32, gpu.info().sm_count, m_tiles)
+}
+
 /// Backward d-logits of the chunk `[chunk_begin, chunk_begin + chunk)` of the local vocab into
 /// `staging [t][stride]`.
 #[allow(clippy::too_many_arguments)]
@@ -366,6 +380,8 @@ pub fn bwd_dlogits(
         None => Family::BwdDlogits,
     };
     sc.fill(&mut p);
+    let grid = (dims.t.div_ceil(cfg.bm as usize) as u32, stride.div_ceil(cfg.bn as usize) as u32);
+    p.raster_group = bwd_raster(gpu, cfg, grid.0);
     // The B map ends at the chunk: rows beyond it load as zeros, as the `cp.async` path's bound.
     let (maps, tmaps) = tma_maps_for(
         cfg,
@@ -375,7 +391,6 @@ pub fn bwd_dlogits(
     )?;
     p.tmaps = tmaps;
     // Columns beyond the chunk up to a whole tile are written only below `stride`.
-    let grid = (dims.t.div_ceil(cfg.bm as usize) as u32, stride.div_ceil(cfg.bn as usize) as u32);
     launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
     drop(maps);
     Ok(())
@@ -477,6 +492,7 @@ fn launch_gemm(
     )?;
     p.tmaps = tmaps;
     let grid = (m.div_ceil(cfg.bm as usize) as u32, n.div_ceil(cfg.bn as usize) as u32);
+    p.raster_group = bwd_raster(gpu, cfg, grid.0);
     launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
     drop(maps);
     Ok(())

@@ -502,6 +502,22 @@ pub unsafe fn fwd_wg<
     unsafe { store_partials::<BM, 1, 1, ENT>(p, &w, &mut st, &mut z_label, m0, split, intrinsics::smem_base(), (WGM * 128) as u32) };
 }
 
+/// The first row and column of this block's `BM × BN` output tile in a `(m tiles, n tiles)`
+/// grid, taken in [`lmhead_core::split::raster`] order with groups of `group` m tiles (0 =
+/// plain): blocks resident together then share a few m tiles' rows of A and n tiles' rows of B
+/// in L2 instead of all of A.
+#[inline(always)]
+fn tile_origin<const BM: usize, const BN: usize>(group: u32) -> (u32, u32) {
+    let (mt, nt) = lmhead_core::split::raster(
+        intrinsics::block_idx_x(),
+        intrinsics::block_idx_y(),
+        intrinsics::grid_dim_x(),
+        intrinsics::grid_dim_y(),
+        group,
+    );
+    (mt * BM as u32, nt * BN as u32)
+}
+
 /// Backward d-logits of one vocab chunk on the Hopper mainloop. Same contract as
 /// `bwd::dlogits`.
 ///
@@ -522,8 +538,7 @@ pub unsafe fn dlogits_wg<
     p: &LogitsParams,
 ) {
     let tid = intrinsics::thread_idx();
-    let m0 = intrinsics::block_idx_x() * BM as u32;
-    let n0 = intrinsics::block_idx_y() * BN as u32;
+    let (m0, n0) = tile_origin::<BM, BN>(p.raster_group);
     let kt = p.d.div_ceil(BK as u32);
     if TMA {
         // SAFETY: first call, by every thread; the kernel contract provides the maps.
@@ -560,8 +575,7 @@ pub unsafe fn gemm_wg<const BM: usize, const BN: usize, const ST: usize, const W
     p: &GemmParams,
 ) {
     let tid = intrinsics::thread_idx();
-    let m0 = intrinsics::block_idx_x() * BM as u32;
-    let n0 = intrinsics::block_idx_y() * BN as u32;
+    let (m0, n0) = tile_origin::<BM, BN>(p.raster_group);
     let kt = p.k.div_ceil(BK as u32);
     if TMA {
         // SAFETY: first call, by every thread; the kernel contract provides the maps.

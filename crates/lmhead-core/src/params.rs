@@ -60,7 +60,9 @@ pub struct LogitsParams {
     pub v_chunk: u32,
     /// Forward: token tiles per raster group (0 = plain order). Blocks are taken in launch
     /// order group by group, each group covering `raster_group` token tiles × every split, so
-    /// that the blocks resident together share fewer distinct `h` rows (see `split`).
+    /// that the blocks resident together share fewer distinct `h` rows (see `split`). Hopper
+    /// d-logits: the same order over (token tiles × chunk column tiles), see
+    /// `split::gemm_raster`.
     pub raster_group: u32,
     /// `1 / temperature`.
     pub inv_temp: f32,
@@ -96,6 +98,10 @@ pub struct GemmParams {
     /// TMA configs: device address of two tensor maps (A, then B; 128 bytes each, 64-byte
     /// aligned) of the K-major operands. 0 otherwise.
     pub tmaps: u64,
+    /// Launch order of the Hopper GEMMs ([`crate::split::raster`] over `(m tiles, n tiles)`):
+    /// groups of `raster_group` m tiles × every n tile; 0 = plain (`x` = m tile).
+    pub raster_group: u32,
+    pub _pad: u32,
 }
 
 /// Parameters of the forward merge kernels (`FWD_MERGE`, `FWD_ROW_STATE`, `FWD_FINISH`).
@@ -198,7 +204,7 @@ mod tests {
         assert_eq!(align_of::<Partial>(), 16);
         assert_eq!(size_of::<LogitsParams>(), 160);
         assert_eq!(align_of::<LogitsParams>(), 8);
-        assert_eq!(size_of::<GemmParams>(), 88);
+        assert_eq!(size_of::<GemmParams>(), 96);
         assert_eq!(size_of::<MergeParams>(), 96);
         assert_eq!(size_of::<CastParams>(), 24);
         assert_eq!(size_of::<NaiveParams>(), 80);
