@@ -316,17 +316,29 @@ pub fn fwd_mainloop(
     Ok(n_splits)
 }
 
-/// Launch order of a Hopper backward grid with `m_tiles` along x: [`split::gemm_raster`]
-/// (the `cp.async` kernels ignore it: 0). `LMHEAD_BWD_RASTER` overrides it (0 = plain order),
-/// for measurements.
-fn bwd_raster(gpu: &Gpu, cfg: TileConfig, m_tiles: u32) -> u32 {
+/// How a Hopper backward grid of `m_tiles × n_tiles` output tiles (`k`-deep) is walked: the
+/// forward's split planner ([`split::plan_l2`], with A's `BM × k` rows as the resident tile)
+/// gives the consecutive n tiles per block and the raster group. One tile per block, as the
+/// `cp.async` kernels take them, pays a pipeline fill and an exposed epilogue per tile: measured
+/// on the H200 (t = 8192, d = 4096, chunks of 8192), d-logits ran at 1.52× and `dh` at 1.30×
+/// the rate of the whole-vocab cuBLAS GEMM (docs/perf-notes.md). `LMHEAD_BWD_TILES` (tiles
+/// per block) and `LMHEAD_BWD_RASTER` (0 = plain order) override the plan, for measurements.
+fn bwd_plan(gpu: &Gpu, cfg: TileConfig, m_tiles: u32, n_tiles: u32, k: usize) -> split::SplitPlan {
     if !cfg.wgmma {
-        return 0;
+        return split::SplitPlan { tiles_per_split: 1, n_splits: n_tiles, raster_group: 0 };
     }
-    if let Some(g) = std::env::var("LMHEAD_BWD_RASTER").ok().and_then(|v| v.parse::<u32>().ok()) {
-        return g;
+    let info = gpu.info();
+    let l2 = split::L2Model { h_tile_bytes: cfg.bm as u64 * k as u64 * 2, budget_bytes: (info.l2_bytes as f64 * split::L2_SHARE) as u64 };
+    let mut plan = split::plan_l2(m_tiles, n_tiles, info.sm_count, l2);
+    let env = |key: &str| std::env::var(key).ok().and_then(|v| v.parse::<u32>().ok());
+    if let Some(per) = env("LMHEAD_BWD_TILES").filter(|&t| t >= 1) {
+        plan.tiles_per_split = per.min(n_tiles.max(1));
+        plan.n_splits = n_tiles.div_ceil(plan.tiles_per_split);
     }
-    split::gemm_raster(cfg.bm as u32, cfg.bn as u32, gpu.info().sm_count, m_tiles)
+    if let Some(g) = env("LMHEAD_BWD_RASTER") {
+        plan.raster_group = g;
+    }
+    plan
 }
 
 /// Backward d-logits of the chunk `[chunk_begin, chunk_begin + chunk)` of the local vocab into
@@ -380,8 +392,10 @@ pub fn bwd_dlogits(
         None => Family::BwdDlogits,
     };
     sc.fill(&mut p);
-    let grid = (dims.t.div_ceil(cfg.bm as usize) as u32, stride.div_ceil(cfg.bn as usize) as u32);
-    p.raster_group = bwd_raster(gpu, cfg, grid.0);
+    let m_tiles = dims.t.div_ceil(cfg.bm as usize) as u32;
+    let plan = bwd_plan(gpu, cfg, m_tiles, stride.div_ceil(cfg.bn as usize) as u32, dims.d);
+    (p.tiles_per_split, p.raster_group) = (plan.tiles_per_split, plan.raster_group);
+    let grid = (m_tiles, plan.n_splits);
     // The B map ends at the chunk: rows beyond it load as zeros, as the `cp.async` path's bound.
     let (maps, tmaps) = tma_maps_for(
         cfg,
@@ -491,8 +505,10 @@ fn launch_gemm(
         TmaOperand { ptr: b, rows: n, k, stride: b_stride, box_rows: cfg.bn as u32 },
     )?;
     p.tmaps = tmaps;
-    let grid = (m.div_ceil(cfg.bm as usize) as u32, n.div_ceil(cfg.bn as usize) as u32);
-    p.raster_group = bwd_raster(gpu, cfg, grid.0);
+    let m_tiles = m.div_ceil(cfg.bm as usize) as u32;
+    let plan = bwd_plan(gpu, cfg, m_tiles, n.div_ceil(cfg.bn as usize) as u32, k);
+    (p.tiles_per_block, p.raster_group) = (plan.tiles_per_split, plan.raster_group);
+    let grid = (m_tiles, plan.n_splits);
     launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
     drop(maps);
     Ok(())

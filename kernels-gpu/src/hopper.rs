@@ -502,20 +502,26 @@ pub unsafe fn fwd_wg<
     unsafe { store_partials::<BM, 1, 1, ENT>(p, &w, &mut st, &mut z_label, m0, split, intrinsics::smem_base(), (WGM * 128) as u32) };
 }
 
-/// The first row and column of this block's `BM × BN` output tile in a `(m tiles, n tiles)`
-/// grid, taken in [`lmhead_core::split::raster`] order with groups of `group` m tiles (0 =
-/// plain): blocks resident together then share a few m tiles' rows of A and n tiles' rows of B
-/// in L2 instead of all of A.
+/// This block's output tiles in a grid of `(m tiles, n groups)` blocks, taken in
+/// [`lmhead_core::split::raster`] order with groups of `group` m tiles (0 = plain): the first
+/// row, the first column and the count of the `per` consecutive `BN`-wide tiles (of `n_total`)
+/// the block walks. The pipeline runs on from one tile into the next, so a block pays one fill
+/// and its epilogues overlap the producer's loads; the raster keeps the rows resident blocks
+/// read together within L2 (`split::plan_l2`, which also picks `per`).
 #[inline(always)]
-fn tile_origin<const BM: usize, const BN: usize>(group: u32) -> (u32, u32) {
-    let (mt, nt) = lmhead_core::split::raster(
+fn block_tiles<const BM: usize, const BN: usize>(group: u32, per: u32, n_total: u32) -> (u32, u32, u32) {
+    let (mt, ng) = lmhead_core::split::raster(
         intrinsics::block_idx_x(),
         intrinsics::block_idx_y(),
         intrinsics::grid_dim_x(),
         intrinsics::grid_dim_y(),
         group,
     );
-    (mt * BM as u32, nt * BN as u32)
+    let per = if per == 0 { 1 } else { per };
+    let first = ng * per;
+    // The host launches `ceil(n_total / per)` groups, so `first < n_total`; saturate anyway.
+    let count = n_total.saturating_sub(first).min(per);
+    (mt * BM as u32, first * BN as u32, count)
 }
 
 /// Backward d-logits of one vocab chunk on the Hopper mainloop. Same contract as
@@ -523,7 +529,7 @@ fn tile_origin<const BM: usize, const BN: usize>(group: u32) -> (u32, u32) {
 ///
 /// # Safety
 /// Launched with `WGM·128` threads (`(WGM + 1)·128` for `TMA`), grid
-/// `(ceil(t/BM), ceil(staging_stride/BN))`, the ring's dynamic shared memory (with `TMA`'s
+/// `(ceil(t/BM), ceil(ceil(staging_stride/BN) / max(1, p.tiles_per_split)))`, the ring's dynamic shared memory (with `TMA`'s
 /// mbarriers and `p.tmaps`); buffers as for `bwd::dlogits`.
 #[inline(always)]
 pub unsafe fn dlogits_wg<
@@ -538,11 +544,12 @@ pub unsafe fn dlogits_wg<
     p: &LogitsParams,
 ) {
     let tid = intrinsics::thread_idx();
-    let (m0, n0) = tile_origin::<BM, BN>(p.raster_group);
+    let n_total = (p.staging_stride as u32).div_ceil(BN as u32);
+    let (m0, n0_first, n_tiles) = block_tiles::<BM, BN>(p.raster_group, p.tiles_per_split, n_total);
     let kt = p.d.div_ceil(BK as u32);
     if TMA {
         // SAFETY: first call, by every thread; the kernel contract provides the maps.
-        unsafe { tma_split::<BM, BN, ST, WGM>(tid, p.tmaps, m0, p.v_chunk_begin + n0, 1, kt) };
+        unsafe { tma_split::<BM, BN, ST, WGM>(tid, p.tmaps, m0, p.v_chunk_begin + n0_first, n_tiles, kt) };
     }
     let w = warp_pos(tid);
     // SAFETY: buffers per the kernel contract.
@@ -551,7 +558,8 @@ pub unsafe fn dlogits_wg<
     let b = Operand { ptr: p.w as *const u16, stride: p.w_row_stride, mn_bound: p.v_chunk_begin + p.v_chunk, k_bound: p.d };
     let mut acc: WgAcc<NW> = [[[[0.0; 4]; 8]; 2]; NW];
     let finish = #[inline(always)]
-    |_: u32, acc: &mut WgAcc<NW>| {
+    |tile: u32, acc: &mut WgAcc<NW>| {
+        let n0 = n0_first + tile * BN as u32;
         unroll!(NW, |nb| {
             unroll!(2, |h| {
                 // SAFETY: staging per the kernel contract.
@@ -560,14 +568,17 @@ pub unsafe fn dlogits_wg<
         });
     };
     // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
-    unsafe { run_pipeline::<BM, BN, ST, WGM, NW, TMA>(tid, a, b, m0, p.v_chunk_begin + n0, 1, kt, &mut acc, finish) };
+    unsafe {
+        run_pipeline::<BM, BN, ST, WGM, NW, TMA>(tid, a, b, m0, p.v_chunk_begin + n0_first, n_tiles, kt, &mut acc, finish)
+    };
 }
 
 /// Backward GEMM `C[m, n] (+)= Σ_k A[m, k] · B[n, k]` with both operands K-major (the host
 /// transposes the staging buffer, `W` chunk and `h` as needed), on the Hopper mainloop.
 ///
 /// # Safety
-/// Launched with `WGM·128` threads (`(WGM + 1)·128` for `TMA`), grid `(ceil(m/BM), ceil(n/BN))`,
+/// Launched with `WGM·128` threads (`(WGM + 1)·128` for `TMA`), grid
+/// `(ceil(m/BM), ceil(ceil(n/BN) / max(1, p.tiles_per_block)))`,
 /// the ring's dynamic shared memory (with `TMA`'s mbarriers and `p.tmaps`); `p.a` is `[m][a_stride]`, `p.b` is `[n][b_stride]`, both readable in whole 16-byte
 /// chunks up to `k` rounded up to 8 (zeros there); C buffers as for `bwd::gemm`.
 #[inline(always)]
@@ -575,18 +586,19 @@ pub unsafe fn gemm_wg<const BM: usize, const BN: usize, const ST: usize, const W
     p: &GemmParams,
 ) {
     let tid = intrinsics::thread_idx();
-    let (m0, n0) = tile_origin::<BM, BN>(p.raster_group);
+    let (m0, n0_first, n_tiles) = block_tiles::<BM, BN>(p.raster_group, p.tiles_per_block, p.n.div_ceil(BN as u32));
     let kt = p.k.div_ceil(BK as u32);
     if TMA {
         // SAFETY: first call, by every thread; the kernel contract provides the maps.
-        unsafe { tma_split::<BM, BN, ST, WGM>(tid, p.tmaps, m0, n0, 1, kt) };
+        unsafe { tma_split::<BM, BN, ST, WGM>(tid, p.tmaps, m0, n0_first, n_tiles, kt) };
     }
     let w = warp_pos(tid);
     let a = Operand { ptr: p.a as *const u16, stride: p.a_stride, mn_bound: p.m, k_bound: p.k };
     let b = Operand { ptr: p.b as *const u16, stride: p.b_stride, mn_bound: p.n, k_bound: p.k };
     let mut acc: WgAcc<NW> = [[[[0.0; 4]; 8]; 2]; NW];
     let finish = #[inline(always)]
-    |_: u32, acc: &mut WgAcc<NW>| {
+    |tile: u32, acc: &mut WgAcc<NW>| {
+        let n0 = n0_first + tile * BN as u32;
         unroll!(NW, |nb| {
             unroll!(2, |h| {
                 // SAFETY: C buffers per the kernel contract.
@@ -595,5 +607,5 @@ pub unsafe fn gemm_wg<const BM: usize, const BN: usize, const ST: usize, const W
         });
     };
     // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
-    unsafe { run_pipeline::<BM, BN, ST, WGM, NW, TMA>(tid, a, b, m0, n0, 1, kt, &mut acc, finish) };
+    unsafe { run_pipeline::<BM, BN, ST, WGM, NW, TMA>(tid, a, b, m0, n0_first, n_tiles, kt, &mut acc, finish) };
 }

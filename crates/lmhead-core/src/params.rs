@@ -54,6 +54,7 @@ pub struct LogitsParams {
     pub d: u32,
     pub label_kind: u32,
     /// Vocab tiles handled by one block (forward), so `n_splits = ceil(v_tiles / tiles_per_split)`.
+    /// Hopper d-logits: consecutive chunk column tiles one block walks (0 is read as 1).
     pub tiles_per_split: u32,
     /// Backward: first local vocab row of this chunk, and the chunk's width.
     pub v_chunk_begin: u32,
@@ -61,8 +62,7 @@ pub struct LogitsParams {
     /// Forward: token tiles per raster group (0 = plain order). Blocks are taken in launch
     /// order group by group, each group covering `raster_group` token tiles × every split, so
     /// that the blocks resident together share fewer distinct `h` rows (see `split`). Hopper
-    /// d-logits: the same order over (token tiles × chunk column tiles), see
-    /// `split::gemm_raster`.
+    /// d-logits: the same order over (token tiles × column groups of `tiles_per_split`).
     pub raster_group: u32,
     /// `1 / temperature`.
     pub inv_temp: f32,
@@ -98,10 +98,13 @@ pub struct GemmParams {
     /// TMA configs: device address of two tensor maps (A, then B; 128 bytes each, 64-byte
     /// aligned) of the K-major operands. 0 otherwise.
     pub tmaps: u64,
-    /// Launch order of the Hopper GEMMs ([`crate::split::raster`] over `(m tiles, n tiles)`):
-    /// groups of `raster_group` m tiles × every n tile; 0 = plain (`x` = m tile).
+    /// Hopper GEMMs: launch order ([`crate::split::raster`] over `(m tiles, n groups)`): groups
+    /// of `raster_group` m tiles × every n group; 0 = plain (`x` = m tile).
     pub raster_group: u32,
-    pub _pad: u32,
+    /// Hopper GEMMs: consecutive n tiles one block walks (its pipeline runs on from one tile
+    /// into the next, hiding the fill and the epilogue); grid `y` = `ceil(n tiles / this)`.
+    /// 0 is read as 1. The `cp.async` GEMMs take one tile per block and ignore it.
+    pub tiles_per_block: u32,
 }
 
 /// Parameters of the forward merge kernels (`FWD_MERGE`, `FWD_ROW_STATE`, `FWD_FINISH`).

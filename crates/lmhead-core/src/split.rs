@@ -101,32 +101,6 @@ pub fn plan_l2(m_tiles: u32, n_tiles: u32, slots: u32, l2: L2Model) -> SplitPlan
     best.map_or(plain, |(_, p)| p)
 }
 
-/// Raster group (m tiles per group, see [`raster`]) for a GEMM-shaped grid of `BM × BN` tiles,
-/// `m_tiles` of them along m, on `slots` concurrent blocks. The plain order (`x` = m tile
-/// fastest) keeps every m tile's rows of A and about `slots / m_tiles` n tiles' rows of B in
-/// flight: when A is larger than L2 (the backward's staging buffer, `t × 8192` bf16 = 128 MB
-/// at t = 8192) each wave of n tiles streams all of A from DRAM again. Groups of `g` m tiles ×
-/// every n tile make a wave `g × (slots / g)` tiles; per k step it reads `g·BM + (slots/g)·BN`
-/// rows, least at `g = √(slots·BN/BM)` (16 for 128 × 256 tiles on 132 SMs; `k` cancels).
-/// Returns 0 (plain) when one group would hold every m tile.
-pub fn gemm_raster(bm: u32, bn: u32, slots: u32, m_tiles: u32) -> u32 {
-    // The integer g ≥ 1 whose square is nearest to slots·BN/BM (no_std: no f64::sqrt).
-    let target = slots.max(1) as u64 * bn.max(1) as u64 / bm.max(1) as u64;
-    let mut g = 1u64;
-    while (g + 1) * (g + 1) <= target {
-        g += 1;
-    }
-    if target - g * g > (g + 1) * (g + 1) - target {
-        g += 1;
-    }
-    let g = g as u32;
-    if g >= m_tiles {
-        0
-    } else {
-        g
-    }
-}
-
 /// The (token tile, split) a forward block works on. Launch order is `x` (token tile) fastest;
 /// with `group = 0` block `(x, y)` takes token tile `x` of split `y`. With `group = G > 0` the
 /// linear launch index walks groups of `G` token tiles (the last one shorter), each group
@@ -187,16 +161,6 @@ mod tests {
             let p = plan_l2(m, n, 132, h200(d));
             assert_eq!(n.div_ceil(p.tiles_per_split), p.n_splits, "{p:?}");
         }
-    }
-
-    #[test]
-    fn gemm_raster_balances_the_wave() {
-        // 128 × 256 tiles on 132 SMs: 16 m tiles × 8 n tiles per wave.
-        assert_eq!(gemm_raster(128, 256, 132, 64), 16);
-        assert_eq!(gemm_raster(256, 128, 132, 64), 8);
-        // Few m tiles: plain order.
-        assert_eq!(gemm_raster(128, 256, 132, 16), 0);
-        assert_eq!(gemm_raster(128, 256, 132, 1), 0);
     }
 
     #[test]
