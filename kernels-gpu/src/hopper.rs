@@ -568,9 +568,7 @@ pub unsafe fn dlogits_wg<
         });
     };
     // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
-    unsafe {
-        run_pipeline::<BM, BN, ST, WGM, NW, TMA>(tid, a, b, m0, p.v_chunk_begin + n0_first, n_tiles, kt, &mut acc, finish)
-    };
+    unsafe { run_pipeline::<BM, BN, ST, WGM, NW, TMA>(tid, a, b, m0, p.v_chunk_begin + n0_first, n_tiles, kt, &mut acc, finish) };
 }
 
 /// Backward GEMM `C[m, n] (+)= Σ_k A[m, k] · B[n, k]` with both operands K-major (the host
