@@ -14,6 +14,7 @@ use lmhead_core::Problem;
 
 use crate::error::{Context as _, Error, Result};
 use crate::launch::{self, dev_in, dev_out, Dev, Dims, Labels, MergeOuts, MergeStep, Scalars};
+use crate::overrides::Overrides;
 use crate::tp::{Communicator, ReduceOp, Shard};
 use crate::tune::{Choice, TuneKey};
 use crate::{bf16, LabelType, LmHead};
@@ -193,17 +194,16 @@ impl LmHead {
         Ok(FwdReport { config: Some(cfg), n_splits })
     }
 
-    /// The vocab split and launch order for `cfg` on this device (see `lmhead_core::split`).
-    /// `LMHEAD_FWD_L2=0` turns the L2 model off (the plain makespan plan), and
-    /// `LMHEAD_FWD_SPLITS` (a split count) and `LMHEAD_FWD_RASTER` (token tiles per raster
-    /// group, 0 = plain order) override the plan, for measurements.
+    /// The vocab split and launch order for `cfg` on this device (see `lmhead_core::split`),
+    /// with the measurement overrides of [`crate::overrides`] (`LMHEAD_FWD_L2=0`: no L2 model;
+    /// `LMHEAD_FWD_SPLITS`, `LMHEAD_FWD_RASTER`).
     pub(crate) fn plan_split(&self, family: Family, cfg: TileConfig, p: Problem) -> Result<split::SplitPlan> {
         let slots = self.slots(family, cfg)?;
         let m_tiles = p.t.div_ceil(cfg.bm as usize) as u32;
         let n_tiles = p.v.div_ceil(cfg.bn as usize) as u32;
+        let ov = Overrides::get();
         // The Hopper forward reads the raster order; its plan keeps resident rows of `h` in L2.
-        let l2_off = std::env::var("LMHEAD_FWD_L2").is_ok_and(|v| v == "0");
-        let mut plan = if cfg.wgmma && self.gpu.info().l2_bytes > 0 && !l2_off {
+        let plan = if cfg.wgmma && self.gpu.info().l2_bytes > 0 && !ov.fwd_l2_off {
             let l2 = split::L2Model {
                 h_tile_bytes: cfg.bm as u64 * p.d as u64 * 2,
                 budget_bytes: (self.gpu.info().l2_bytes as f64 * split::L2_SHARE) as u64,
@@ -212,15 +212,7 @@ impl LmHead {
         } else {
             split::plan(m_tiles, n_tiles, slots)
         };
-        let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u32>().ok());
-        if let Some(n) = env("LMHEAD_FWD_SPLITS").filter(|&n| n >= 1) {
-            plan.tiles_per_split = n_tiles.div_ceil(n.min(n_tiles));
-            plan.n_splits = n_tiles.div_ceil(plan.tiles_per_split);
-        }
-        if let Some(g) = env("LMHEAD_FWD_RASTER") {
-            plan.raster_group = g;
-        }
-        Ok(plan)
+        Ok(ov.fwd.apply(plan, n_tiles))
     }
 
     /// Choose the forward config (tuning on first use of a key when `choice` is `Auto`). Trials

@@ -20,6 +20,7 @@ use lmhead_core::split;
 
 use crate::device::Gpu;
 use crate::error::{Context as _, Error, Result};
+use crate::overrides::Overrides;
 
 /// A device buffer argument, checked to belong to the stream's context.
 pub struct Dev<'a> {
@@ -318,27 +319,18 @@ pub fn fwd_mainloop(
 
 /// How a Hopper backward grid of `m_tiles × n_tiles` output tiles (`k`-deep) is walked: the
 /// forward's split planner ([`split::plan_l2`], with A's `BM × k` rows as the resident tile)
-/// gives the consecutive n tiles per block and the raster group. One tile per block, as the
-/// `cp.async` kernels take them, pays a pipeline fill and an exposed epilogue per tile: measured
-/// on the H200 (t = 8192, d = 4096, chunks of 8192), d-logits ran at 1.52× and `dh` at 1.30×
-/// the rate of the whole-vocab cuBLAS GEMM (docs/perf-notes.md). `LMHEAD_BWD_TILES` (tiles
-/// per block) and `LMHEAD_BWD_RASTER` (0 = plain order) override the plan, for measurements.
+/// gives the consecutive n tiles per block and the raster group. With one tile per block, as
+/// the `cp.async` kernels take them, every tile pays a pipeline fill and an exposed epilogue
+/// (measured on the H200 at t = 8192, d = 4096, chunks of 8192: d-logits ≈ 1.5× and `dh` ≈ 1.3×
+/// the time per FLOP of the whole-vocab cuBLAS GEMM; docs/perf-notes.md). `LMHEAD_BWD_TILES`
+/// and `LMHEAD_BWD_RASTER` override the plan ([`crate::overrides`]).
 fn bwd_plan(gpu: &Gpu, cfg: TileConfig, m_tiles: u32, n_tiles: u32, k: usize) -> split::SplitPlan {
     if !cfg.wgmma {
         return split::SplitPlan { tiles_per_split: 1, n_splits: n_tiles, raster_group: 0 };
     }
     let info = gpu.info();
     let l2 = split::L2Model { h_tile_bytes: cfg.bm as u64 * k as u64 * 2, budget_bytes: (info.l2_bytes as f64 * split::L2_SHARE) as u64 };
-    let mut plan = split::plan_l2(m_tiles, n_tiles, info.sm_count, l2);
-    let env = |key: &str| std::env::var(key).ok().and_then(|v| v.parse::<u32>().ok());
-    if let Some(per) = env("LMHEAD_BWD_TILES").filter(|&t| t >= 1) {
-        plan.tiles_per_split = per.min(n_tiles.max(1));
-        plan.n_splits = n_tiles.div_ceil(plan.tiles_per_split);
-    }
-    if let Some(g) = env("LMHEAD_BWD_RASTER") {
-        plan.raster_group = g;
-    }
-    plan
+    Overrides::get().bwd.apply(split::plan_l2(m_tiles, n_tiles, info.sm_count, l2), n_tiles)
 }
 
 /// Backward d-logits of the chunk `[chunk_begin, chunk_begin + chunk)` of the local vocab into

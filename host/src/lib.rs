@@ -20,6 +20,7 @@ pub mod device;
 pub mod error;
 pub mod fwd;
 pub mod launch;
+mod overrides;
 pub mod ptx;
 pub mod testing;
 pub mod tp;

@@ -19,6 +19,37 @@ pub struct SplitPlan {
     pub raster_group: u32,
 }
 
+/// A measurement override of a plan (the host reads it from the environment): a forced split
+/// count or a forced tile count per block, and a forced raster group. [`PlanOverride::apply`]
+/// keeps the plan covering every tile exactly.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PlanOverride {
+    pub splits: Option<u32>,
+    pub tiles: Option<u32>,
+    pub raster: Option<u32>,
+}
+
+impl PlanOverride {
+    /// `plan` with the overrides of `self` for a walk over `n_tiles` tiles (a split or tile count
+    /// of 0 is ignored; counts beyond `n_tiles` are clamped).
+    pub fn apply(&self, mut plan: SplitPlan, n_tiles: u32) -> SplitPlan {
+        let n = n_tiles.max(1);
+        let per = match (self.tiles.filter(|&t| t >= 1), self.splits.filter(|&s| s >= 1)) {
+            (Some(t), _) => Some(t.min(n)),
+            (None, Some(s)) => Some(n.div_ceil(s.min(n))),
+            (None, None) => None,
+        };
+        if let Some(per) = per {
+            plan.tiles_per_split = per;
+            plan.n_splits = n.div_ceil(per);
+        }
+        if let Some(g) = self.raster {
+            plan.raster_group = g;
+        }
+        plan
+    }
+}
+
 /// Plan the split for `m_tiles` token tiles and `n_tiles` vocab tiles on `slots` concurrent
 /// blocks (SM count × blocks per SM).
 pub fn plan(m_tiles: u32, n_tiles: u32, slots: u32) -> SplitPlan {
@@ -160,6 +191,29 @@ mod tests {
         for (m, n, d) in [(128u32, 970u32, 2048u64), (64, 594, 4096), (32, 501, 4096), (64, 512, 8192)] {
             let p = plan_l2(m, n, 132, h200(d));
             assert_eq!(n.div_ceil(p.tiles_per_split), p.n_splits, "{p:?}");
+        }
+    }
+
+    #[test]
+    fn overrides_keep_every_tile_covered() {
+        let base = plan(64, 594, 132);
+        assert_eq!(PlanOverride::default().apply(base, 594), base);
+        let p = PlanOverride { splits: Some(8), raster: Some(16), ..Default::default() }.apply(base, 594);
+        assert_eq!((p.tiles_per_split, p.n_splits, p.raster_group), (75, 8, 16));
+        let p = PlanOverride { tiles: Some(3), ..Default::default() }.apply(base, 16);
+        assert_eq!((p.tiles_per_split, p.n_splits), (3, 6));
+        // Clamped and ignored values.
+        let p = PlanOverride { splits: Some(1000), ..Default::default() }.apply(base, 10);
+        assert_eq!((p.tiles_per_split, p.n_splits), (1, 10));
+        let p = PlanOverride { tiles: Some(0), splits: Some(0), ..Default::default() }.apply(base, 594);
+        assert_eq!(p, base);
+        for n in 1..200u32 {
+            for k in 1..20u32 {
+                for o in [PlanOverride { splits: Some(k), ..Default::default() }, PlanOverride { tiles: Some(k), ..Default::default() }] {
+                    let p = o.apply(base, n);
+                    assert!(p.tiles_per_split >= 1 && n.div_ceil(p.tiles_per_split) == p.n_splits, "{o:?} n {n}: {p:?}");
+                }
+            }
         }
     }
 

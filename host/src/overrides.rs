@@ -1,0 +1,82 @@
+//! Measurement overrides of the launch plans, read from the environment once per process (the
+//! first forward or backward call): `LMHEAD_FWD_L2=0` (forward plan without the L2 model),
+//! `LMHEAD_FWD_SPLITS` / `LMHEAD_FWD_RASTER` (forward split count / raster group of token
+//! tiles), `LMHEAD_BWD_TILES` / `LMHEAD_BWD_RASTER` (n tiles per block / raster group of the
+//! Hopper backward kernels). A value that does not parse is reported once on stderr and
+//! ignored.
+
+use std::sync::OnceLock;
+
+use lmhead_core::split::PlanOverride;
+
+/// Every override; `Default` is "none".
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Overrides {
+    /// `LMHEAD_FWD_L2=0`: the forward's plain makespan plan.
+    pub fwd_l2_off: bool,
+    pub fwd: PlanOverride,
+    pub bwd: PlanOverride,
+}
+
+impl Overrides {
+    /// The process's overrides (read on first use).
+    pub(crate) fn get() -> &'static Overrides {
+        static O: OnceLock<Overrides> = OnceLock::new();
+        O.get_or_init(|| {
+            let (o, bad) = Self::parse(|k| std::env::var(k).ok());
+            for (k, v) in bad {
+                eprintln!("lmhead: ignoring {k}={v:?} (expected a non-negative integer)");
+            }
+            o
+        })
+    }
+
+    /// The overrides from `lookup`, and the `(variable, value)` pairs that did not parse.
+    pub(crate) fn parse(lookup: impl Fn(&str) -> Option<String>) -> (Overrides, Vec<(&'static str, String)>) {
+        let mut bad = Vec::new();
+        let mut num = |k: &'static str| -> Option<u32> {
+            let v = lookup(k)?;
+            v.trim().parse::<u32>().map_err(|_| bad.push((k, v))).ok()
+        };
+        let fwd = PlanOverride { splits: num("LMHEAD_FWD_SPLITS"), tiles: None, raster: num("LMHEAD_FWD_RASTER") };
+        let bwd = PlanOverride { splits: None, tiles: num("LMHEAD_BWD_TILES"), raster: num("LMHEAD_BWD_RASTER") };
+        let fwd_l2_off = lookup("LMHEAD_FWD_L2").is_some_and(|v| v.trim() == "0");
+        (Overrides { fwd_l2_off, fwd, bwd }, bad)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(vars: &[(&str, &str)]) -> (Overrides, Vec<(&'static str, String)>) {
+        Overrides::parse(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string()))
+    }
+
+    #[test]
+    fn none_set_is_default() {
+        assert_eq!(parse(&[]), (Overrides::default(), vec![]));
+    }
+
+    #[test]
+    fn every_variable_lands_in_its_field() {
+        let (o, bad) = parse(&[
+            ("LMHEAD_FWD_L2", "0"),
+            ("LMHEAD_FWD_SPLITS", "8"),
+            ("LMHEAD_FWD_RASTER", " 16 "),
+            ("LMHEAD_BWD_TILES", "3"),
+            ("LMHEAD_BWD_RASTER", "0"),
+        ]);
+        assert!(bad.is_empty());
+        assert!(o.fwd_l2_off);
+        assert_eq!(o.fwd, PlanOverride { splits: Some(8), tiles: None, raster: Some(16) });
+        assert_eq!(o.bwd, PlanOverride { splits: None, tiles: Some(3), raster: Some(0) });
+    }
+
+    #[test]
+    fn bad_values_are_reported_and_ignored() {
+        let (o, bad) = parse(&[("LMHEAD_FWD_SPLITS", "eight"), ("LMHEAD_BWD_TILES", "-1"), ("LMHEAD_FWD_L2", "1")]);
+        assert_eq!(o, Overrides::default());
+        assert_eq!(bad, vec![("LMHEAD_FWD_SPLITS", "eight".to_string()), ("LMHEAD_BWD_TILES", "-1".to_string())]);
+    }
+}
