@@ -28,7 +28,8 @@ use lmhead::{bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, FwdInputs, FwdOpti
 use lmhead_reference::rng::Rng;
 use serde_json::json;
 
-pub use suites::{Case, Suite};
+pub use lmhead_core::record::{Case, Row, Timing};
+pub use suites::Suite;
 
 /// Command-line options.
 #[derive(Clone, Debug)]
@@ -85,14 +86,6 @@ pub fn random_bf16(n: usize, scale: f32, seed: u64) -> Vec<u16> {
     out
 }
 
-/// One measured operation.
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct Timing {
-    pub p20: f64,
-    pub p50: f64,
-    pub p80: f64,
-}
-
 /// One CUDA-event-timed call of `f` on an idle stream, in ms.
 fn sample(stream: &CudaStream, f: &mut dyn FnMut() -> lmhead::Result<()>) -> lmhead::Result<f64> {
     let ctx = stream.context();
@@ -105,26 +98,10 @@ fn sample(stream: &CudaStream, f: &mut dyn FnMut() -> lmhead::Result<()>) -> lmh
     Ok(a.elapsed_ms(&b).unwrap() as f64)
 }
 
-impl Timing {
-    fn of(mut ts: Vec<f64>) -> Timing {
-        let p50 = median(&mut ts.clone());
-        Timing { p20: percentile(&mut ts.clone(), 0.2), p50, p80: percentile(&mut ts, 0.8) }
-    }
-}
-
-/// Everything measured for one shape.
-#[derive(Debug, serde::Serialize)]
-pub struct Row {
-    pub case: Case,
-    pub gemm: Timing,
-    pub fwd: Timing,
-    pub fwd_ent: Timing,
-    pub fwd_bwd: Option<Timing>,
-    pub fwd_cfg: String,
-    pub fwd_ent_cfg: String,
-    pub bwd_cfg: String,
-    pub workspace_mib: f64,
-    pub check_max_abs: Option<f64>,
+/// The p20 / median / p80 of `ts`.
+fn timing(mut ts: Vec<f64>) -> Timing {
+    let p50 = median(&mut ts.clone());
+    Timing { p20: percentile(&mut ts.clone(), 0.2), p50, p80: percentile(&mut ts, 0.8) }
 }
 
 fn measure(head: &LmHead, stream: &Arc<CudaStream>, c: &Case, args: &Args, seed: u64) -> lmhead::Result<Row> {
@@ -211,8 +188,8 @@ fn measure(head: &LmHead, stream: &Arc<CudaStream>, c: &Case, args: &Args, seed:
         }
     }
     drop(blas);
-    let (gemm, fwd, fwd_ent) = (Timing::of(t_gemm), Timing::of(t_fwd), Timing::of(t_ent));
-    let fwd_bwd = c.backward.then(|| Timing::of(t_bwd));
+    let (gemm, fwd, fwd_ent) = (timing(t_gemm), timing(t_fwd), timing(t_ent));
+    let fwd_bwd = c.backward.then(|| timing(t_bwd));
     // Check the timed runs' outputs on sampled rows: log-prob of both forwards.
     let check_max_abs = if args.check {
         let got = lmhead::testing::download_f32(stream, &lp)?;

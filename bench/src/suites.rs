@@ -8,7 +8,7 @@ use std::time::Instant;
 use lmhead::cudarc::driver::{CudaSlice, CudaStream};
 use lmhead::{FwdInputs, FwdOptions, FwdOutputs, LmHead, Problem};
 
-use crate::Args;
+use crate::{Args, Case};
 
 /// Public LM-head configurations: (name, hidden D, vocab V).
 pub const MODELS: &[(&str, usize, usize)] = &[
@@ -20,25 +20,6 @@ pub const MODELS: &[(&str, usize, usize)] = &[
 
 /// Total token counts of the sweep.
 pub const TOKENS: &[usize] = &[16_384, 32_768, 65_536, 131_072, 262_144];
-
-/// One rank-local shape.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize)]
-pub struct Case {
-    pub model: String,
-    pub tokens: usize,
-    pub tp: usize,
-    pub cp: usize,
-    pub t: usize,
-    pub v: usize,
-    pub d: usize,
-    pub backward: bool,
-}
-
-impl Case {
-    pub fn name(&self) -> String {
-        format!("{}/tok{}k/tp{}cp{}", self.model, self.tokens / 1024, self.tp, self.cp)
-    }
-}
 
 pub enum Suite {
     Quick,

@@ -22,6 +22,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+use lmhead_core::record::Row;
 use plotters::coord::ranged1d::SegmentValue;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
@@ -48,53 +49,6 @@ impl Tuning {
             Tuning::Fallback => "fallback",
         }
     }
-}
-
-/// One measured operation; only the median is used here (`p20`/`p80` are ignored).
-#[derive(Clone, Debug, Deserialize)]
-pub struct Timing {
-    /// Median time in milliseconds.
-    pub p50: f64,
-}
-
-/// The shape of one measurement (a rank-local shape of a logical case).
-#[derive(Clone, Debug, Deserialize)]
-pub struct Case {
-    pub model: String,
-    pub tokens: usize,
-    pub tp: usize,
-    pub cp: usize,
-    pub t: usize,
-    pub v: usize,
-    pub d: usize,
-}
-
-impl Case {
-    /// The same name as `lmhead-bench` prints: `model/tok{k}k/tp{TP}cp{CP}`.
-    pub fn name(&self) -> String {
-        let tok = match self.tokens % 1024 {
-            0 => format!("{}k", self.tokens / 1024),
-            _ => self.tokens.to_string(),
-        };
-        format!("{}/tok{}/tp{}cp{}", self.model, tok, self.tp, self.cp)
-    }
-
-    /// FLOP of one logits GEMM, `2·T·V·D`.
-    fn gemm_flop(&self) -> f64 {
-        2.0 * self.t as f64 * self.v as f64 * self.d as f64
-    }
-}
-
-/// Everything measured for one shape (the `row` object of a record).
-#[derive(Clone, Debug, Deserialize)]
-pub struct Row {
-    pub case: Case,
-    pub gemm: Timing,
-    pub fwd: Timing,
-    pub fwd_ent: Timing,
-    /// `null` when the case has no backward pass.
-    pub fwd_bwd: Option<Timing>,
-    pub workspace_mib: f64,
 }
 
 /// One line of the results file.

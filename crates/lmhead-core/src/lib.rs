@@ -16,6 +16,8 @@ pub mod config;
 pub mod lse;
 pub mod params;
 pub mod problem;
+#[cfg(feature = "std")]
+pub mod record;
 pub mod split;
 pub mod wgmma;
 

@@ -1,0 +1,87 @@
+//! The benchmark's result records: `lmhead-bench` writes one JSON object per measured shape
+//! (`{gpu, driver, commit, suite, timestamp, tuning, row}`), `cargo xtask bench-report` reads
+//! them back. These are the `row` part, shared so that writer and reader cannot drift apart.
+//! Fields added after the first results were committed default when absent.
+
+use serde::{Deserialize, Serialize};
+use std::format;
+use std::string::{String, ToString};
+
+/// One measured operation, in milliseconds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Timing {
+    #[serde(default)]
+    pub p20: f64,
+    /// The median: the figure every table uses.
+    pub p50: f64,
+    #[serde(default)]
+    pub p80: f64,
+}
+
+/// The shape of one measurement: a rank-local shape of a logical case (`tokens` split over `cp`
+/// ranks, the vocab over `tp`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Case {
+    pub model: String,
+    pub tokens: usize,
+    pub tp: usize,
+    pub cp: usize,
+    pub t: usize,
+    pub v: usize,
+    pub d: usize,
+    /// Whether forward+backward was timed too.
+    #[serde(default)]
+    pub backward: bool,
+}
+
+impl Case {
+    /// `model/tok{k}k/tp{TP}cp{CP}` (`tok{n}` when `tokens` is not a multiple of 1024).
+    pub fn name(&self) -> String {
+        let tok = match self.tokens % 1024 {
+            0 => format!("{}k", self.tokens / 1024),
+            _ => self.tokens.to_string(),
+        };
+        format!("{}/tok{}/tp{}cp{}", self.model, tok, self.tp, self.cp)
+    }
+
+    /// FLOP of one logits GEMM, `2·t·v·d`.
+    pub fn gemm_flop(&self) -> f64 {
+        2.0 * self.t as f64 * self.v as f64 * self.d as f64
+    }
+}
+
+/// Everything measured for one shape.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Row {
+    pub case: Case,
+    /// cuBLAS bf16 GEMM of the same `(t, v, d)`.
+    pub gemm: Timing,
+    pub fwd: Timing,
+    pub fwd_ent: Timing,
+    /// `null` when the case has no backward pass.
+    pub fwd_bwd: Option<Timing>,
+    /// The configs the forward, the forward with entropy and the backward ran with.
+    #[serde(default)]
+    pub fwd_cfg: String,
+    #[serde(default)]
+    pub fwd_ent_cfg: String,
+    #[serde(default)]
+    pub bwd_cfg: String,
+    pub workspace_mib: f64,
+    /// Largest |Δ log-prob| of the timed forwards against the f64 reference on sampled rows
+    /// (`null` with `--no-check`).
+    #[serde(default)]
+    pub check_max_abs: Option<f64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        let c = |tokens| Case { model: "m".into(), tokens, tp: 2, cp: 4, t: 1, v: 1, d: 1, backward: false };
+        assert_eq!(c(16384).name(), "m/tok16k/tp2cp4");
+        assert_eq!(c(20000).name(), "m/tok20000/tp2cp4");
+    }
+}
