@@ -529,8 +529,9 @@ fn block_tiles<const BM: usize, const BN: usize>(group: u32, per: u32, n_total: 
 ///
 /// # Safety
 /// Launched with `WGM·128` threads (`(WGM + 1)·128` for `TMA`), grid
-/// `(ceil(t/BM), ceil(ceil(staging_stride/BN) / max(1, p.tiles_per_split)))`, the ring's dynamic shared memory (with `TMA`'s
-/// mbarriers and `p.tmaps`); buffers as for `bwd::dlogits`.
+/// `(ceil(t/BM), ceil(ceil(staging_stride/BN) / max(1, p.tiles_per_split)))`, the ring's
+/// dynamic shared memory (with `TMA`'s mbarriers and `p.tmaps`); buffers as for
+/// `bwd::dlogits`.
 #[inline(always)]
 pub unsafe fn dlogits_wg<
     const BM: usize,
