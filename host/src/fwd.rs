@@ -204,11 +204,7 @@ impl LmHead {
         let ov = Overrides::get();
         // The Hopper forward reads the raster order; its plan keeps resident rows of `h` in L2.
         let plan = if cfg.wgmma && self.gpu.info().l2_bytes > 0 && !ov.fwd_l2_off {
-            let l2 = split::L2Model {
-                h_tile_bytes: cfg.bm as u64 * p.d as u64 * 2,
-                budget_bytes: (self.gpu.info().l2_bytes as f64 * split::L2_SHARE) as u64,
-            };
-            split::plan_l2(m_tiles, n_tiles, slots, l2)
+            split::plan_l2(m_tiles, n_tiles, slots, split::L2Model::of(cfg.bm.into(), p.d as u64, self.gpu.info().l2_bytes))
         } else {
             split::plan(m_tiles, n_tiles, slots)
         };

@@ -329,7 +329,7 @@ fn bwd_plan(gpu: &Gpu, cfg: TileConfig, m_tiles: u32, n_tiles: u32, k: usize) ->
         return split::SplitPlan { tiles_per_split: 1, n_splits: n_tiles, raster_group: 0 };
     }
     let info = gpu.info();
-    let l2 = split::L2Model { h_tile_bytes: cfg.bm as u64 * k as u64 * 2, budget_bytes: (info.l2_bytes as f64 * split::L2_SHARE) as u64 };
+    let l2 = split::L2Model::of(cfg.bm.into(), k as u64, info.l2_bytes);
     Overrides::get().bwd.apply(split::plan_l2(m_tiles, n_tiles, info.sm_count, l2), n_tiles)
 }
 

@@ -93,6 +93,14 @@ pub struct L2Model {
     pub budget_bytes: u64,
 }
 
+impl L2Model {
+    /// The model for tiles of `rows` bf16 rows, `k` deep, on a device with `l2_bytes` of L2:
+    /// the budget is [`L2_SHARE`] of it.
+    pub fn of(rows: u32, k: u64, l2_bytes: u64) -> L2Model {
+        L2Model { h_tile_bytes: rows as u64 * k * 2, budget_bytes: (l2_bytes as f64 * L2_SHARE) as u64 }
+    }
+}
+
 /// The share of the L2 cache that the resident blocks' rows of `h` may take in [`plan_l2`]; the
 /// rest holds the `W` tiles being streamed (each read by the resident blocks of its split
 /// within a short window), partials and other work.
@@ -170,6 +178,8 @@ mod tests {
 
     #[test]
     fn l2_plan_splits_when_h_does_not_fit() {
+        let m = L2Model::of(128, 2048, 60 * MB);
+        assert_eq!((m.h_tile_bytes, m.budget_bytes), (128 * 2048 * 2, (60.0 * MB as f64 * L2_SHARE) as u64));
         // t = 16384, v = 248320, d = 2048 on 132 SMs: the plain plan (1 split, 128 token tiles
         // resident, 64 MB of h) is replaced by one whose resident rows fit, in raster groups.
         let p = plan_l2(128, 970, 132, h200(2048));
