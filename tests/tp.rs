@@ -204,14 +204,20 @@ fn in_process_tp_matches_unsharded() {
     }
 }
 
+/// [`gpu_or_skip`], and a SKIP line when libnccl cannot be loaded.
+fn nccl_or_skip(test: &str) -> Option<(LmHead, Arc<CudaStream>)> {
+    let gpu = gpu_or_skip(test)?;
+    if !lmhead::tp::NcclComm::available() {
+        println!("SKIP {test}: libnccl is not on the library path");
+        return None;
+    }
+    Some(gpu)
+}
+
 #[test]
 fn nccl_single_rank_matches_unsharded() {
     let test = "tp::nccl_single_rank_matches_unsharded";
-    let Some((head, stream)) = gpu_or_skip(test) else { return };
-    if !lmhead::tp::NcclComm::available() {
-        println!("SKIP {test}: libnccl is not on the library path");
-        return;
-    }
+    let Some((head, stream)) = nccl_or_skip(test) else { return };
     let seed = run_seed(test);
     let comm = lmhead::tp::NcclComm::from_streams(vec![stream.clone()]).unwrap().pop().unwrap();
     let case = Case::generate(seed, 129, 777, 64, &Structure { huge: 0.0, all_negative: 0.0, ..Default::default() });
@@ -233,11 +239,7 @@ fn nccl_single_rank_matches_unsharded() {
 #[test]
 fn nccl_multi_gpu_matches_unsharded() {
     let test = "tp::nccl_multi_gpu_matches_unsharded";
-    let Some((head, stream)) = gpu_or_skip(test) else { return };
-    if !lmhead::tp::NcclComm::available() {
-        println!("SKIP {test}: libnccl is not on the library path");
-        return;
-    }
+    let Some((head, stream)) = nccl_or_skip(test) else { return };
     let devices = lmhead::cudarc::driver::CudaContext::device_count().unwrap() as usize;
     if devices < 2 {
         println!("SKIP {test}: {devices} GPU(s) visible, this test needs at least 2");
