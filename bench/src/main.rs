@@ -12,8 +12,8 @@
 //! clock and temperature (the H200 runs these shapes at its power limit); the median of the
 //! rounds (p20/p80 kept); operands are not rotated, but `W` is at least twice the 60 MB L2 at
 //! every suite shape; and a check of the timed runs' log-probs on sampled rows against the f64
-//! reference, so a fast wrong kernel cannot win. FLOPs: one logits GEMM is `2·t·v·d`; forward+backward does four (logits,
-//! recompute, dh, dW).
+//! reference, so a fast wrong kernel cannot win. FLOPs: one logits GEMM is `2·t·v·d`;
+//! forward+backward does four (logits, recompute, dh, dW).
 
 mod cublas;
 mod suites;
@@ -138,15 +138,13 @@ fn measure(head: &LmHead, stream: &Arc<CudaStream>, c: &Case, args: &Args, seed:
     let gl = lmhead::testing::upload(stream, &vec![1.0f32; c.t])?;
     let ge = lmhead::testing::upload(stream, &vec![0.1f32; c.t])?;
     let bo = BwdOptions { config: BwdConfigs::all(choice), ..Default::default() };
-    let (mut dh, mut dw): (Option<CudaSlice<bf16>>, Option<CudaSlice<bf16>>) = if c.backward {
-        (Some(stream.alloc_zeros(c.t * c.d).unwrap()), Some(stream.alloc_zeros(c.v * c.d).unwrap()))
-    } else {
-        (None, None)
-    };
+    // dh and dW, only for cases with a backward pass.
+    let mut grads: Option<(CudaSlice<bf16>, CudaSlice<bf16>)> =
+        c.backward.then(|| (stream.alloc_zeros(c.t * c.d).unwrap(), stream.alloc_zeros(c.v * c.d).unwrap()));
     let (mut lp_b, mut lse_b, mut ent_b): (CudaSlice<f32>, CudaSlice<f32>, CudaSlice<f32>) =
         (stream.alloc_zeros(c.t).unwrap(), stream.alloc_zeros(c.t).unwrap(), stream.alloc_zeros(c.t).unwrap());
     let mut fwd_bwd_op = || -> lmhead::Result<()> {
-        let (Some(dh), Some(dw)) = (dh.as_mut(), dw.as_mut()) else { return Ok(()) };
+        let Some((dh, dw)) = grads.as_mut() else { return Ok(()) };
         head.forward(stream, &x, &fo, FwdOutputs { logprob: &mut lp_b, lse: &mut lse_b, entropy: Some(&mut ent_b) })?;
         let bx = BwdInputs {
             h: &h,
