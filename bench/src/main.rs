@@ -2,7 +2,7 @@
 //! the same run. Prints a markdown table, appends JSON lines to a results file.
 //!
 //! ```text
-//! lmhead-bench [quick|sweep|probe|entropy] [--filter SUBSTR] [--budget-s N] [--reps N]
+//! lmhead-bench [quick|sweep|probe|entropy|tp] [--filter SUBSTR] [--budget-s N] [--reps N]
 //!              [--out results.jsonl] [--fallback] [--no-check]
 //! ```
 //!
@@ -17,6 +17,7 @@
 
 mod cublas;
 mod suites;
+mod tp;
 
 use std::io::Write as _;
 use std::sync::Arc;
@@ -245,7 +246,7 @@ fn main() {
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback] [--no-check]");
+            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback] [--no-check]");
             std::process::exit(2);
         }
     };
@@ -264,8 +265,12 @@ fn main() {
         println!("| fresh process, cache on disk (JIT, no tuning) | 20000 | 32768 | {ms:.1} |");
         return;
     }
+    if args.suite == "tp" {
+        tp::run(&args, &info.name, &commit());
+        return;
+    }
     let suite = Suite::named(&args.suite).unwrap_or_else(|| {
-        eprintln!("unknown suite `{}` (quick, sweep, probe, entropy)", args.suite);
+        eprintln!("unknown suite `{}` (quick, sweep, probe, entropy, tp)", args.suite);
         std::process::exit(2)
     });
     if let Suite::Probe = suite {

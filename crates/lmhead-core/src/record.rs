@@ -6,6 +6,7 @@
 use serde::{Deserialize, Serialize};
 use std::format;
 use std::string::{String, ToString};
+use std::vec::Vec;
 
 /// One measured operation, in milliseconds.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -71,6 +72,41 @@ pub struct Row {
     /// Largest |Δ log-prob| of the timed forwards against the f64 reference on sampled rows
     /// (`null` with `--no-check`).
     #[serde(default)]
+    pub check_max_abs: Option<f64>,
+}
+
+/// One tensor-parallel measurement of `lmhead-bench tp`: a whole problem (`tokens × v_total × d`)
+/// split by vocab over `tp` GPUs, one rank per GPU over NCCL (`tp = 1`: one GPU, no
+/// communicator). Every timing is the slowest rank's (each rank's median over the rounds; the
+/// step waits for the slowest rank).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TpRow {
+    pub model: String,
+    pub tokens: usize,
+    pub v_total: usize,
+    pub d: usize,
+    pub tp: usize,
+    /// The largest rank's vocab rows.
+    pub v_local: usize,
+    /// cuBLAS bf16 GEMM of the rank-local shape `(tokens, v_local, d)`.
+    pub gemm: Timing,
+    /// The TP forward with entropy through a communicator that reduces nothing: the rank's fused
+    /// kernels (mainloop, split merge, finish) without communication.
+    pub fused: Timing,
+    /// End to end per rank: forward with entropy, forward log-prob only, forward with entropy
+    /// + backward with `dh` all-reduced (bf16 `dh`, `dW`).
+    pub fwd_ent: Timing,
+    pub fwd_lp: Timing,
+    pub fwd_bwd: Timing,
+    /// Time inside the all-reduces (CUDA events around each on the rank's stream; includes
+    /// waiting for the other ranks): of the forward with entropy, and of forward+backward.
+    pub ar_fwd: Timing,
+    pub ar_fwd_bwd: Timing,
+    /// Every rank's median forward-with-entropy time, rank 0 first.
+    pub per_rank_fwd_ent: Vec<f64>,
+    /// Rank 0's forward-with-entropy config.
+    pub fwd_ent_cfg: String,
+    /// Largest |Δ log-prob| of rank 0's TP forward against the f64 reference on sampled rows.
     pub check_max_abs: Option<f64>,
 }
 
