@@ -278,6 +278,20 @@ fn measure(name: &str, pb: &Problem0<'_>, n: usize, reps: usize) -> lmhead::Resu
         handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
     });
     let ranks: Vec<RankTimes> = results.into_iter().collect::<lmhead::Result<_>>()?;
+    for (r, t) in ranks.iter().enumerate() {
+        let m = |x: &Vec<f64>| timing(x.clone()).p50;
+        eprintln!(
+            "  rank {r}: gemm {:.3} fused {:.3} fwd+ent {:.3} (all-reduce {:.3}) log-prob {:.3} fwd+bwd {:.2} (all-reduce {:.3}) ms, {}",
+            m(&t.gemm),
+            m(&t.fused),
+            m(&t.fwd_ent),
+            m(&t.ar_fwd),
+            m(&t.fwd_lp),
+            m(&t.fwd_bwd),
+            m(&t.ar_fwd_bwd),
+            t.cfg
+        );
+    }
     // Rank 0's TP log-probs against the f64 reference on sampled rows.
     let rows = vec![0, pb.t / 3, pb.t - 1];
     let inp = lmhead_reference::Inputs {
