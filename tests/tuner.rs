@@ -45,7 +45,7 @@ fn picks_the_fastest_correct_candidate_and_records_why() {
     let e = tuner.entry(&key(3000)).unwrap();
     assert!(matches!(e.candidates[1].1, Outcome::Wrong { .. }), "{:?}", e.candidates[1]);
     assert!(matches!(e.candidates[2].1, Outcome::Failed { .. }));
-    assert!(matches!(e.candidates[3].1, Outcome::Timed { ms } if ms == 3.0));
+    assert!(matches!(e.candidates[3].1, Outcome::Timed { ms, .. } if ms == 3.0));
     // Same bucket: no new trials.
     let again = tuner.pick(&key(4000), Choice::Auto, &mut |_| panic!("same bucket must not retune")).unwrap();
     assert_eq!(again, w);
@@ -58,6 +58,43 @@ fn picks_the_fastest_correct_candidate_and_records_why() {
         })
         .unwrap();
     assert!(calls > 0);
+}
+
+/// A candidate that is fast only in its first timing (a transient) loses to a steadily fast
+/// one in the confirmation rounds; a contender that fails when run again is out of the running;
+/// candidates far behind are timed once.
+#[test]
+fn confirmation_rounds_overrule_a_lucky_first_timing() {
+    use lmhead::tune::{CONFIRM_ROUNDS, CONFIRM_WITHIN};
+    let cands = Family::Fwd.candidates();
+    let n = cands.len();
+    assert!(n >= 4);
+    let mut calls = vec![0usize; n];
+    let tuner = Tuner::new(true, None, Cache::open(None, "fake"));
+    let w = tuner
+        .pick(&key(3000), Choice::Auto, &mut |c| {
+            let i = cands.iter().position(|&x| x == c).unwrap();
+            calls[i] += 1;
+            let ms = match (i, calls[i]) {
+                (0, 1) => 0.95, // lucky once
+                (0, _) => 1.3,
+                (1, _) => 1.0,  // steady
+                (2, 1) => 1.05, // a contender that breaks on its second run
+                (2, _) => return Err(Error::Config("launch failed".into())),
+                _ => 10.0 + i as f64,
+            };
+            Ok(Trial { ms, check: vec![1.0, 2.0] })
+        })
+        .unwrap();
+    assert_eq!(w, cands[1], "the steadily fast candidate wins");
+    const { assert!(1.05 <= 0.95 * CONFIRM_WITHIN && 1.0 <= 0.95 * CONFIRM_WITHIN) };
+    assert_eq!(calls[0], 1 + CONFIRM_ROUNDS);
+    assert_eq!(calls[1], 1 + CONFIRM_ROUNDS);
+    assert_eq!(calls[2], 2, "no more rounds once it failed");
+    assert!(calls[3..].iter().all(|&k| k == 1), "far-behind candidates timed once: {calls:?}");
+    let e = tuner.entry(&key(3000)).unwrap();
+    assert!(matches!(&e.candidates[0].1, Outcome::Timed { ms, confirm } if *ms == 1.3 && confirm.len() == CONFIRM_ROUNDS));
+    assert!(matches!(&e.candidates[2].1, Outcome::Failed { .. }), "{:?}", e.candidates[2]);
 }
 
 #[test]
