@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! lmhead-bench [quick|sweep|probe|entropy|tp] [--filter SUBSTR] [--budget-s N] [--reps N]
-//!              [--out results.jsonl] [--fallback] [--no-check]
+//!              [--out results.jsonl] [--fallback] [--no-check] [--skip N]
 //! ```
 //!
 //! Measurement hygiene: random inputs (never zeros); tuning and warm-up of every operation before
@@ -42,6 +42,8 @@ pub struct Args {
     pub out: String,
     pub fallback: bool,
     pub check: bool,
+    /// Skip the suite's first `skip` shapes (the sweep runs cheapest first: resume a budgeted run).
+    pub skip: usize,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -53,6 +55,7 @@ fn parse_args() -> Result<Args, String> {
         out: "bench-results.jsonl".into(),
         fallback: false,
         check: true,
+        skip: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(x) = it.next() {
@@ -63,6 +66,7 @@ fn parse_args() -> Result<Args, String> {
             "--out" => a.out = it.next().ok_or("--out needs a value")?,
             "--fallback" => a.fallback = true,
             "--no-check" => a.check = false,
+            "--skip" => a.skip = it.next().ok_or("--skip needs a value")?.parse().map_err(|e| format!("--skip: {e}"))?,
             "-h" | "--help" => return Err(String::new()),
             s if !s.starts_with('-') => a.suite = s.to_string(),
             s => return Err(format!("unknown option {s}")),
@@ -246,7 +250,7 @@ fn main() {
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback] [--no-check]");
+            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback] [--no-check] [--skip N]");
             std::process::exit(2);
         }
     };
@@ -278,7 +282,7 @@ fn main() {
         return;
     }
     let cases: Vec<Case> =
-        suite.cases().into_iter().filter(|c| args.filter.as_ref().is_none_or(|f| c.name().contains(f.as_str()))).collect();
+        suite.cases().into_iter().filter(|c| args.filter.as_ref().is_none_or(|f| c.name().contains(f.as_str()))).skip(args.skip).collect();
     let (logical, unique) = suite.counts();
     println!(
         "# lmhead-bench {} on {} (driver {}), commit {}: {} shapes ({} logical cases → {} unique local shapes in the suite)",

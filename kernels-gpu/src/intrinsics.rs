@@ -310,6 +310,56 @@ pub unsafe fn ld_global_v4(p: *const f32) -> [f32; 4] {
     [a, b, c, d]
 }
 
+/// `ld.global.v4.b32`: 16 bytes as four raw 32-bit words (bit patterns kept as they are).
+///
+/// # Safety
+/// `p` must be a 16-byte aligned global address with 16 readable bytes.
+#[inline(always)]
+pub unsafe fn ld_global_v4_b32(p: *const u32) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: the caller guarantees the address.
+    unsafe {
+        asm!(
+            "ld.global.v4.b32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+            p = in(reg64) p, a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+            options(nostack, readonly)
+        )
+    };
+    [a, b, c, d]
+}
+
+/// `st.global.v4.b32`: four raw 32-bit words.
+///
+/// # Safety
+/// `p` must be a 16-byte aligned global address with 16 writable bytes.
+#[inline(always)]
+pub unsafe fn st_global_v4_b32(p: *mut u32, v: [u32; 4]) {
+    // SAFETY: the caller guarantees the address.
+    unsafe {
+        asm!(
+            "st.global.v4.b32 [{p}], {{{a}, {b}, {c}, {d}}};",
+            p = in(reg64) p, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3],
+            options(nostack)
+        )
+    };
+}
+
+/// `st.shared.v4.b32`: four raw 32-bit words.
+///
+/// # Safety
+/// `addr` must be a 16-byte aligned shared address with 16 writable bytes.
+#[inline(always)]
+pub unsafe fn st_shared_v4_b32(addr: SmemAddr, v: [u32; 4]) {
+    // SAFETY: the caller guarantees the address.
+    unsafe {
+        asm!(
+            "st.shared.v4.b32 [{p}], {{{a}, {b}, {c}, {d}}};",
+            p = in(reg32) addr, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3],
+            options(nostack)
+        )
+    };
+}
+
 /// `st.global.v2.f32`.
 ///
 /// # Safety
