@@ -5,10 +5,17 @@
 //! is only good to a few percent there; that case is held to `EXTREME_REL_L2`.
 //!
 //! Upstream gradients are random N(0, 1) for log-prob only, entropy only, and both. Outputs are
-//! poisoned before the call. Thresholds (relative L2 over the checked rows): the d-logits are
-//! staged in bf16 (~2⁻⁹ relative rounding per element) and bf16 outputs round once more, so
-//! bf16 outputs must be within `6e-3` and f32 outputs within `4e-3` (public fused kernels land
-//! near 2.4e-3). Rows labelled `ignore_index` must be exactly zero in `dh`.
+//! poisoned before the call. Thresholds (L2 over the checked rows): the d-logits are staged in
+//! bf16 (relative rounding ≤ 2⁻⁸, ~2⁻⁹ typical, per term) and bf16 outputs round once more, so
+//! the error must stay within `6e-3` (bf16 outputs) or `4e-3` (f32) of `max(‖ref‖, ‖rss‖)`, where
+//! `rss` is each element's root sum of squared terms (`backward_dh_rows_rss`): rounding a term
+//! moves the sum by a fraction of the term, so when the terms cancel the error is relative to
+//! them, not to the small sum (seen on the H200 at `1ff40f0`: t = 1, v = 151936, d = 8, seed
+//! 7051947941513986546, where a `W` column constant over the vocabulary has `dh_j = 0` exactly;
+//! `‖Δ‖/‖ref‖` = 1.16e-2 from an exact `mma.sync` kernel, and bf16 staging emulated on the CPU
+//! gives 1.23e-2: `tests/reference.rs::staged_dlogits_error_scales_with_the_terms`). Ordinary
+//! rows have `‖rss‖ ≲ ‖ref‖` (public fused kernels land near 2.4e-3 relative). Rows labelled
+//! `ignore_index` must be exactly zero in `dh`.
 
 use std::sync::Arc;
 
@@ -16,8 +23,8 @@ use lmhead::cudarc::driver::{CudaSlice, CudaStream};
 use lmhead::testing::{download_bf16, download_f32, poison, upload, upload_bf16};
 use lmhead::{bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, Family, FwdInputs, FwdOptions, FwdOutputs, GradOut, LmHead, Problem};
 use lmhead_reference::rng::Rng;
-use lmhead_reference::{backward_dh_rows, backward_dw_rows, forward, Case, Grads, Structure, IGNORE_INDEX};
-use lmhead_tests::{case_seed, check_rel_l2, gpu_or_skip, run_seed};
+use lmhead_reference::{backward_dh_rows_rss, backward_dw_rows_rss, forward, Case, Grads, Structure, IGNORE_INDEX};
+use lmhead_tests::{case_seed, check_rel_l2_terms, gpu_or_skip, run_seed};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Upstream {
@@ -145,12 +152,12 @@ fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &BwdCase, seed: u64) -> Strin
     let g = Grads { logprob: use_lp.then_some(&gl64[..]), entropy: use_ent.then_some(&ge64[..]) };
     let rows = sample(c.t, c.v * c.d, seed);
     let vrows = sample(c.v, c.t * c.d, seed ^ 1);
-    let rdh = backward_dh_rows(&inp, &rlse, &rent, &g, &rows);
-    let rdw = backward_dw_rows(&inp, &rlse, &rent, &g, &vrows);
+    let (rdh, sdh) = backward_dh_rows_rss(&inp, &rlse, &rent, &g, &rows);
+    let (rdw, sdw) = backward_dw_rows_rss(&inp, &rlse, &rent, &g, &vrows);
     let pick = |x: &[f64], rs: &[usize]| rs.iter().flat_map(|&i| x[i * c.d..(i + 1) * c.d].iter().copied()).collect::<Vec<f64>>();
     let lim = |f32: bool| c.max_rel_l2.unwrap_or(if f32 { F32_REL_L2 } else { BF16_REL_L2 });
-    let cdh = check_rel_l2("dh", &desc, &pick(&gdh, &rows), &rdh.concat(), lim(c.dh_f32));
-    let cdw = check_rel_l2("dW", &desc, &pick(&gdw, &vrows), &rdw.concat(), lim(c.dw_f32));
+    let (cdh, _) = check_rel_l2_terms("dh", &desc, &pick(&gdh, &rows), &rdh.concat(), &sdh.concat(), lim(c.dh_f32));
+    let (cdw, _) = check_rel_l2_terms("dW", &desc, &pick(&gdw, &vrows), &rdw.concat(), &sdw.concat(), lim(c.dw_f32));
     for &i in &rows {
         if case.labels[i] == IGNORE_INDEX {
             assert!(gdh[i * c.d..(i + 1) * c.d].iter().all(|&x| x == 0.0), "ignored row {i} of dh is not exactly zero [{desc}]");

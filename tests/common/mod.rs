@@ -95,3 +95,25 @@ pub fn check_rel_l2(what: &str, case: &str, x: &[f64], r: &[f64], max_rel_l2: f6
     }
     c
 }
+
+/// [`check_rel_l2`] for a sum whose terms were rounded (the backward's bf16-staged d-logits):
+/// `‖x − r‖ ≤ max_rel · max(‖r‖, ‖rss‖)`, where `rss` is the root sum of squares of each
+/// element's terms (`backward_dh_rows_rss`). Rounding each term moves an element by a fraction of
+/// its terms' scale, not of the element: when the terms cancel, `‖r‖` alone would call an exact
+/// kernel wrong. Returns the comparison and the norm used.
+#[track_caller]
+pub fn check_rel_l2_terms(what: &str, case: &str, x: &[f64], r: &[f64], rss: &[f64], max_rel: f64) -> (Compare, f64) {
+    assert_eq!(r.len(), rss.len(), "{what} [{case}]: rss length");
+    let c = compare(x, r, 1e-6);
+    assert!(c.ref_norm > 0.0, "{what} [{case}]: reference is all zeros, the check would prove nothing");
+    assert_eq!(c.nonfinite, 0, "{what} [{case}]: {} non-finite elements; {c:?}", c.nonfinite);
+    let scale = c.ref_norm.max(rss.iter().map(|v| v * v).sum::<f64>().sqrt());
+    let err = c.rel_l2 * c.ref_norm;
+    if err > max_rel * scale {
+        panic!(
+            "{what} [{case}]: ‖Δ‖ {err:.3e} > {max_rel:.1e} · max(‖ref‖ {:.3e}, ‖rss‖ {scale:.3e}); worst [{}] got {:.6e} want {:.6e}; {c:?}",
+            c.ref_norm, c.worst, x[c.worst], r[c.worst]
+        );
+    }
+    (c, scale)
+}

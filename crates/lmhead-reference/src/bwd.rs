@@ -29,7 +29,7 @@ pub struct BwdRef {
 }
 
 /// d-logits of row `row` at local vocab `j`, given the row's saved lse and entropy.
-fn dlogit(inp: &Inputs, row: usize, j: usize, lse: f64, ent: f64, g: &Grads) -> f64 {
+pub fn dlogit(inp: &Inputs, row: usize, j: usize, lse: f64, ent: f64, g: &Grads) -> f64 {
     let label = inp.labels[row];
     if label == inp.ignore_index {
         return 0.0;
@@ -51,41 +51,50 @@ fn dlogit(inp: &Inputs, row: usize, j: usize, lse: f64, ent: f64, g: &Grads) -> 
 
 /// Rows of `dh` (each `[d]`) for the given tokens.
 pub fn backward_dh_rows(inp: &Inputs, lse: &[f64], entropy: &[f64], g: &Grads, rows: &[usize]) -> Vec<Vec<f64>> {
+    backward_dh_rows_rss(inp, lse, entropy, g, rows).0
+}
+
+/// Rows of `dh` and, per element, the root sum of squares of its terms,
+/// `sqrt(Σ_v (dl_v · W_vj)²)`: the scale of the error that rounding each d-logit (relative
+/// error ≤ 2⁻⁸ in bf16) puts into `dh_j`. When the terms cancel, that scale can be far above
+/// `|dh_j|` (a column of `W` constant over the vocabulary has `dh_j = 0` exactly, since the
+/// d-logits of a row sum to 0), so staged-precision errors must be judged against it.
+pub fn backward_dh_rows_rss(inp: &Inputs, lse: &[f64], entropy: &[f64], g: &Grads, rows: &[usize]) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
     let d = inp.d;
     rows.par_iter()
-        .map(|&row| {
-            let mut out = vec![0.0f64; d];
-            for j in 0..inp.v {
-                let a = dlogit(inp, row, j, lse[row], entropy[row], g);
-                if a != 0.0 {
-                    for (o, &wk) in out.iter_mut().zip(&inp.w[j * d..(j + 1) * d]) {
-                        *o += a * bf16::to_f64(wk);
-                    }
-                }
-            }
-            out
-        })
-        .collect()
+        .map(|&row| sum_and_rss(d, (0..inp.v).map(|j| (dlogit(inp, row, j, lse[row], entropy[row], g), &inp.w[j * d..(j + 1) * d]))))
+        .unzip()
 }
 
 /// Rows of `dW` (each `[d]`) for the given local vocab rows.
 pub fn backward_dw_rows(inp: &Inputs, lse: &[f64], entropy: &[f64], g: &Grads, vrows: &[usize]) -> Vec<Vec<f64>> {
+    backward_dw_rows_rss(inp, lse, entropy, g, vrows).0
+}
+
+/// Rows of `dW` and the root sum of squares of their terms over tokens (as
+/// [`backward_dh_rows_rss`]).
+pub fn backward_dw_rows_rss(inp: &Inputs, lse: &[f64], entropy: &[f64], g: &Grads, vrows: &[usize]) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
     let d = inp.d;
     vrows
         .par_iter()
-        .map(|&j| {
-            let mut out = vec![0.0f64; d];
-            for row in 0..inp.t {
-                let a = dlogit(inp, row, j, lse[row], entropy[row], g);
-                if a != 0.0 {
-                    for (o, &hk) in out.iter_mut().zip(&inp.h[row * d..(row + 1) * d]) {
-                        *o += a * bf16::to_f64(hk);
-                    }
-                }
+        .map(|&j| sum_and_rss(d, (0..inp.t).map(|row| (dlogit(inp, row, j, lse[row], entropy[row], g), &inp.h[row * d..(row + 1) * d]))))
+        .unzip()
+}
+
+/// `Σ a·x` and `sqrt(Σ (a·x)²)` over `(a, x)` terms, element-wise over the `d` entries of `x`.
+fn sum_and_rss<'a>(d: usize, terms: impl Iterator<Item = (f64, &'a [u16])>) -> (Vec<f64>, Vec<f64>) {
+    let (mut sum, mut sq) = (vec![0.0f64; d], vec![0.0f64; d]);
+    for (a, x) in terms {
+        if a != 0.0 {
+            for ((s, q), &xk) in sum.iter_mut().zip(sq.iter_mut()).zip(x) {
+                let term = a * bf16::to_f64(xk);
+                *s += term;
+                *q += term * term;
             }
-            out
-        })
-        .collect()
+        }
+    }
+    sq.iter_mut().for_each(|q| *q = q.sqrt());
+    (sum, sq)
 }
 
 /// Full `dh` and `dW`.

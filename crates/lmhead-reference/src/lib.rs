@@ -15,7 +15,7 @@ pub mod inputs;
 pub mod metrics;
 pub mod rng;
 
-pub use bwd::{backward, backward_dh_rows, backward_dw_rows, BwdRef, Grads};
+pub use bwd::{backward, backward_dh_rows, backward_dh_rows_rss, backward_dw_rows, backward_dw_rows_rss, dlogit, BwdRef, Grads};
 pub use fwd::{bad_labels, forward, forward_rows, merge_shards, shard_partials, FwdRef, RowOut, ShardPartial};
 pub use inputs::{Case, Inputs, Structure};
 
