@@ -1,13 +1,14 @@
 //! Unit kernels of the Hopper mainloop, each against a host model: one TMA box copy (the
 //! 128-byte swizzle the `wgmma` descriptors assume, zero fill out of bounds) and one `wgmma`
 //! tile of each width (descriptors, instruction wrappers and the accumulator layout the
-//! epilogues assume) against an f64 product; and the bf16 transpose the backward's `wgmma`
+//! epilogues assume) against an f64 product, also with B stored MN-major (`imm-trans-b`, the
+//! groundwork for reading the backward's operands without transposed copies); and the bf16 transpose the backward's `wgmma`
 //! GEMMs read (bit-exact, zero padding, nothing written past it). Outputs are poisoned before
 //! each launch.
 
 use lmhead::bf16;
 use lmhead::cudarc::driver::CudaSlice;
-use lmhead::launch::{dev_in, dev_out, transpose_bf16, unit_tma_copy, unit_wgmma};
+use lmhead::launch::{dev_in, dev_out, transpose_bf16, unit_tma_copy, unit_wgmma, unit_wgmma_mn};
 use lmhead::testing::{poison, upload_bf16};
 use lmhead_reference::rng::Rng;
 use lmhead_tests::{case_seed, gpu_or_skip, run_seed};
@@ -89,6 +90,49 @@ fn wgmma_tiles_match_f64() {
         }
         println!("[gpu_units::wgmma] seed {seed} m64n{n}k64: max |err| / Σ|a·b| = {max_rel:.2e}");
     }
+}
+
+/// `wgmma` with B stored MN-major (`B[k][n]`, loaded by TMA as two 64-column slabs): the layout
+/// `lmhead_core::wgmma::desc_mn_major_sw128` claims (leading offset = slab stride 8192 bytes,
+/// stride offset = 1024 bytes between 8-row K atoms) must reproduce `A·B`; the two offsets
+/// swapped are run too and reported, so that a wrong claim shows which reading the hardware has.
+#[test]
+fn wgmma_mn_major_b_matches_f64() {
+    let test = "gpu_units::wgmma_mn";
+    let Some((head, stream)) = gpu_or_skip(test) else { return };
+    let seed = case_seed(run_seed(test), 0);
+    let (n, k) = (128usize, 64usize);
+    let a = bf16_values(seed, 64 * k);
+    let b = bf16_values(seed ^ 0x5EED, k * n);
+    let (da, db) = (upload_bf16(&stream, &a).unwrap(), upload_bf16(&stream, &b).unwrap());
+    let f = lmhead_reference::bf16::to_f64;
+    let claimed = lmhead_core::wgmma::desc_mn_major_sw128(0, 8192);
+    let claimed = (((claimed >> 16) & 0x3FFF) as u32 * 16, ((claimed >> 32) & 0x3FFF) as u32 * 16);
+    let mut results = Vec::new();
+    for offsets in [claimed, (claimed.1, claimed.0)] {
+        let mut out: CudaSlice<f32> = stream.alloc_zeros(64 * n).unwrap();
+        poison(&stream, &mut out).unwrap();
+        {
+            let (ia, ib) = (dev_in(&da, &stream, "a").unwrap(), dev_in(&db, &stream, "b").unwrap());
+            let o = dev_out(&mut out, &stream, "out").unwrap();
+            unit_wgmma_mn(head.gpu(), &stream, &ia, &ib, offsets, &o).unwrap();
+        }
+        let got = stream.clone_dtoh(&out).unwrap();
+        let mut max_rel = 0.0f64;
+        for i in 0..64 {
+            for j in 0..n {
+                let terms = (0..k).map(|kk| f(a[i * k + kk]) * f(b[kk * n + j]));
+                let (want, scale) = terms.fold((0.0, 0.0), |(s, m), x| (s + x, m + x.abs()));
+                // NaN (the poison) counts as wrong.
+                let rel =
+                    ((got[i * n + j] as f64 - want).abs() / f64::max(scale, 1e-30)).max(if got[i * n + j].is_nan() { 1.0 } else { 0.0 });
+                max_rel = max_rel.max(rel);
+            }
+        }
+        println!("[{test}] seed {seed} MN-major B, (leading, stride) byte offsets {offsets:?}: max |err| / Σ|a·b| = {max_rel:.2e}");
+        results.push(max_rel);
+    }
+    assert!(results[0] <= 1e-5, "the claimed MN-major layout {claimed:?} is wrong (swapped: {:.2e}; seed {seed})", results[1]);
 }
 
 /// `dst[c][r] = src[r][c]` bit for bit, zeros for `rows ≤ r < dst_cols`, and the poison left

@@ -720,3 +720,16 @@ pub fn unit_wgmma(gpu: &Gpu, stream: &Arc<CudaStream>, a: &Dev, b: &Dev, n: usiz
     drop(maps);
     Ok(())
 }
+
+/// Unit kernel: `C [64][128] = A · B` with `A [64][64]` K-major and `B [64][128]` stored
+/// MN-major (`B[k][n]`), read by `wgmma` with `imm-trans-b`; the B descriptor gets the leading
+/// and stride byte offsets `(lbo, sbo)`. `out`: `64 × 128` f32.
+pub fn unit_wgmma_mn(gpu: &Gpu, stream: &Arc<CudaStream>, a: &Dev, b: &Dev, (lbo, sbo): (u32, u32), out: &Dev) -> Result<()> {
+    let ta = TmaOperand { ptr: a.check(64 * 64, 16)?, rows: 64, k: 64, stride: 64, box_rows: 64 };
+    let tb = TmaOperand { ptr: b.check(64 * 128, 16)?, rows: 64, k: 128, stride: 128, box_rows: 64 };
+    let (maps, tmaps) = tma_maps(stream, ta, tb)?;
+    let p = UnitParams { tmaps, out: out.check(64 * 128, 8)?, k0: lbo, row0: sbo, ..Default::default() };
+    launch(gpu, stream, fixed::UNIT_WGMMA_MN_N128, 3 * 8192 + 16, (1, 1), 128, p)?;
+    drop(maps);
+    Ok(())
+}

@@ -386,7 +386,7 @@ unsafe fn wgmma_k16_n128<const NW: usize>(acc: &mut WgAcc<NW>, a_s: SmemAddr, b_
     let ad = desc_k_major_sw128(a_s);
     unroll!(NW, |nb| {
         // SAFETY: forwarded contract; block `nb` of B starts 128 rows (16 KiB) further.
-        unsafe { intrinsics::wgmma_m64n128k16_bf16(&mut acc[nb], ad, desc_k_major_sw128(b_s + (nb * 128 * 128) as u32), accumulate) };
+        unsafe { intrinsics::wgmma_m64n128k16_bf16::<0>(&mut acc[nb], ad, desc_k_major_sw128(b_s + (nb * 128 * 128) as u32), accumulate) };
     });
 }
 

@@ -455,9 +455,10 @@ pub fn fence_proxy_async_shared() {
 /// Executed by all 128 threads of a warpgroup together, between `wgmma_fence` and
 /// `wgmma_commit`; both descriptors must address loaded, 1024-byte-aligned 128B-swizzled tiles
 /// (64 rows for A, 128 for B) that nothing writes until a `wgmma_wait` covers this group; `c`
-/// must not be read before that wait.
+/// must not be read before that wait. With `TRANS_B = 1` (`imm-trans-b`), B is MN-major instead:
+/// its descriptor addresses 64-column slabs of 128-byte K rows (`lmhead_core::wgmma`).
 #[inline(always)]
-pub unsafe fn wgmma_m64n128k16_bf16(c: &mut [[[f32; 4]; 8]; 2], a_desc: u64, b_desc: u64, accumulate: bool) {
+pub unsafe fn wgmma_m64n128k16_bf16<const TRANS_B: u32>(c: &mut [[[f32; 4]; 8]; 2], a_desc: u64, b_desc: u64, accumulate: bool) {
     let scale_d: u32 = accumulate as u32;
     // SAFETY: the caller guarantees convergence, operand validity and the wait before reuse.
     unsafe {
@@ -465,7 +466,7 @@ pub unsafe fn wgmma_m64n128k16_bf16(c: &mut [[[f32; 4]; 8]; 2], a_desc: u64, b_d
             "{{",
             ".reg .pred p;",
             "setp.ne.b32 p, {sd}, 0;",
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}}}, {a}, {b}, p, 1, 1, 0, 0;",
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}}}, {a}, {b}, p, 1, 1, 0, {tb};",
             "}}",
             d0 = inout(reg32) c[0][0][0],
             d1 = inout(reg32) c[0][0][1],
@@ -534,6 +535,7 @@ pub unsafe fn wgmma_m64n128k16_bf16(c: &mut [[[f32; 4]; 8]; 2], a_desc: u64, b_d
             a = in(reg64) a_desc,
             b = in(reg64) b_desc,
             sd = in(reg32) scale_d,
+            tb = const TRANS_B,
             options(nostack)
         )
     };

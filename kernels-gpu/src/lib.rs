@@ -73,6 +73,7 @@ fixed_entry!(lm_head_transpose_bf16, TransposeParams, merge::transpose_bf16);
 fixed_entry!(lm_head_unit_tma_copy, UnitParams, units::tma_copy);
 fixed_entry!(lm_head_unit_wgmma_n128, UnitParams, units::wgmma_tile::<1>);
 fixed_entry!(lm_head_unit_wgmma_n256, UnitParams, units::wgmma_tile::<2>);
+fixed_entry!(lm_head_unit_wgmma_mn_n128, UnitParams, units::wgmma_tile_mn);
 
 // Silence unused-import warnings when a family has no candidates.
 #[allow(dead_code)]

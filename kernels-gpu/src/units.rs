@@ -99,6 +99,63 @@ pub unsafe fn wgmma_tile<const NW: usize>(p: &UnitParams) {
         intrinsics::wgmma_commit();
         intrinsics::wgmma_wait::<0>();
     }
+    // SAFETY: forwarded contract (`out` holds 64 × 128·NW f32).
+    unsafe { store_acc::<NW>(&acc, tid, p.out as *mut f32) };
+}
+
+/// `C = A · B` for one 64 × 64 A tile (K-major, as in [`wgmma_tile`]) and one 64 × 128 B tile
+/// stored **MN-major** (`B[k][n]`, N contiguous), loaded by TMA as two 64-column slabs of 64
+/// K rows (map 2 of `p`, boxes at (0, 0) and (64, 0)) and read by `m64n128k16` with
+/// `imm-trans-b = 1`. The B descriptor's leading and stride byte offsets are `p.k0` and `p.row0`,
+/// so that the host can check the layout `lmhead_core::wgmma::desc_mn_major_sw128` claims and
+/// its alternative in one run. Output as [`wgmma_tile`].
+///
+/// # Safety
+/// Launched with 128 threads, one block, `3 · 8192 + 16` bytes of dynamic shared memory;
+/// `p.tmaps` holds two bf16 maps with 64 × 64 boxes, 128-byte swizzle (A: 64 rows of K = 64;
+/// B: 64 rows (K) of 128 columns); `p.out` has `64 · 128` writable f32, 8-byte aligned.
+pub unsafe fn wgmma_tile_mn(p: &UnitParams) {
+    let tid = intrinsics::thread_idx();
+    let smem = intrinsics::smem_base();
+    let slab = 64 * 128u32;
+    let b_s = smem + slab;
+    let bar_a = b_s + 2 * slab;
+    let bar_b = bar_a + 8;
+    let ta = p.tmaps as *const u8;
+    let tb = ta.wrapping_add(128);
+    // SAFETY: forwarded contract; A's box, then both B slabs on one barrier expecting both.
+    unsafe {
+        load_box(tid, bar_a, smem, ta, 0, 0, slab);
+        load_box(tid, bar_b, b_s, tb, 0, 0, 2 * slab);
+        if tid == 0 {
+            intrinsics::tma_load_2d(b_s + slab, tb, 64, 0, bar_b);
+        }
+        intrinsics::mbar_wait(bar_a, 0);
+        intrinsics::mbar_wait(bar_b, 0);
+    }
+    let mut acc: WgAcc<1> = [[[[0.0; 4]; 8]; 2]; 1];
+    // SAFETY: as in `wgmma_tile`; B's k16 step `kk` starts 16 K rows (2048 bytes) into slab 0.
+    unsafe {
+        intrinsics::wgmma_fence();
+        unroll!(4, |kk| {
+            let ad = lmhead_core::wgmma::desc_k_major_sw128(smem + (kk * 32) as u32);
+            let bd = lmhead_core::wgmma::desc_sw128(b_s + (kk * 2048) as u32, p.k0, p.row0);
+            intrinsics::wgmma_m64n128k16_bf16::<1>(&mut acc[0], ad, bd, kk > 0);
+        });
+        intrinsics::wgmma_commit();
+        intrinsics::wgmma_wait::<0>();
+    }
+    // SAFETY: forwarded contract (`out` holds 64 × 128 f32).
+    unsafe { store_acc::<1>(&acc, tid, p.out as *mut f32) };
+}
+
+/// Thread `tid`'s accumulators of a 64 × `128·NW` tile to `out [64][128·NW]` (f32) at the
+/// positions the mainloop's epilogues assume.
+///
+/// # Safety
+/// `out` has `64 · 128·NW` writable f32, 8-byte aligned; `tid` < 128.
+#[inline(always)]
+unsafe fn store_acc<const NW: usize>(acc: &WgAcc<NW>, tid: u32, out: *mut f32) {
     let n = (128 * NW) as u32;
     let (warp, lane) = (tid >> 5, tid & 31);
     unroll!(NW, |nb| {
@@ -109,7 +166,7 @@ pub unsafe fn wgmma_tile<const NW: usize>(p: &UnitParams) {
                     let row = 16 * warp + (lane >> 2) + 8 * half as u32;
                     let v = acc[nb][h][j];
                     // SAFETY: row < 64 and col + 1 < n: inside `out`; 8-byte aligned (col even).
-                    unsafe { intrinsics::st_global_v2((p.out as *mut f32).add((row * n + col) as usize), v[2 * half], v[2 * half + 1]) };
+                    unsafe { intrinsics::st_global_v2(out.add((row * n + col) as usize), v[2 * half], v[2 * half + 1]) };
                 });
             });
         });

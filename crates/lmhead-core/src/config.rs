@@ -293,10 +293,13 @@ pub mod fixed {
     pub const UNIT_WGMMA_N128: &str = "lm_head_unit_wgmma_n128";
     /// Unit kernel: as `UNIT_WGMMA_N128` with a 256-row B tile (one `m64n256k16` per k16).
     pub const UNIT_WGMMA_N256: &str = "lm_head_unit_wgmma_n256";
+    /// Unit kernel: as `UNIT_WGMMA_N128` with B stored MN-major (`imm-trans-b`), descriptor
+    /// offsets from the params.
+    pub const UNIT_WGMMA_MN_N128: &str = "lm_head_unit_wgmma_mn_n128";
     /// Threads per block of the fixed kernels (the unit kernels run one warpgroup of them).
     pub const THREADS: u32 = 256;
     /// All fixed entry points.
-    pub const ALL: [&str; 10] = [
+    pub const ALL: [&str; 11] = [
         FWD_MERGE,
         FWD_ROW_STATE,
         FWD_RESCALE,
@@ -307,6 +310,7 @@ pub mod fixed {
         UNIT_TMA_COPY,
         UNIT_WGMMA_N128,
         UNIT_WGMMA_N256,
+        UNIT_WGMMA_MN_N128,
     ];
 }
 

@@ -14,14 +14,33 @@
 //! 1024-byte atom. One `k16` step reads 32 bytes of each row, so the K extent never crosses a
 //! row: the leading-dimension offset is unused (1 by convention) and the stride between 8-row
 //! atoms is 1024 bytes. Advancing to the next `k16` step adds 32 bytes to the start address.
+//! The MN-major form ([`desc_mn_major_sw128`]) is only used by a unit kernel so far: the
+//! groundwork for `wgmma` reading the backward's operands without transposed copies.
+
+/// A 128-byte-swizzle descriptor with explicit leading- and stride-dimension byte offsets.
+pub const fn desc_sw128(addr: u32, lbo_bytes: u32, sbo_bytes: u32) -> u64 {
+    let start = ((addr as u64) >> 4) & 0x3FFF;
+    let lbo = ((lbo_bytes as u64) >> 4) & 0x3FFF;
+    let sbo = ((sbo_bytes as u64) >> 4) & 0x3FFF;
+    start | (lbo << 16) | (sbo << 32) | (1u64 << 62)
+}
 
 /// Descriptor of a K-major, 128-byte-swizzled operand whose first row starts at `addr`
 /// (must be 1024-byte aligned for the first k16 step; later steps add 32 bytes).
 pub const fn desc_k_major_sw128(addr: u32) -> u64 {
-    let start = ((addr as u64) >> 4) & 0x3FFF;
-    let lbo = 1u64;
-    let sbo = 1024u64 >> 4;
-    start | (lbo << 16) | (sbo << 32) | (1u64 << 62)
+    desc_sw128(addr, 16, 1024)
+}
+
+/// Descriptor of an MN-major, 128-byte-swizzled operand (for `imm-trans-a/b = 1`): the operand
+/// is stored as slabs of 64 MN elements, each slab `slab_bytes` apart and made of 128-byte K
+/// rows (8-row swizzle atoms of 1024 bytes, as a TMA box of 64 × K rows lands). `addr` is the
+/// k16 step's first K row in slab 0 (a step is 16 rows: +2048 bytes). The offsets follow the
+/// canonical MN-major layout `((8, 8, m), (8, k)) : ((1, 8, LBO), (64, SBO))` in elements:
+/// the leading offset steps between MN slabs, the stride offset between 8-row K atoms. Checked
+/// against an f64 product by `tests/gpu_units.rs::wgmma_mn_major_b_matches_f64`, which also
+/// tries the two offsets the other way round.
+pub const fn desc_mn_major_sw128(addr: u32, slab_bytes: u32) -> u64 {
+    desc_sw128(addr, slab_bytes, 1024)
 }
 
 #[cfg(test)]
@@ -38,5 +57,10 @@ mod tests {
         assert_eq!(d >> 62, 1);
         // The next k16 step: +32 bytes = +2 in the address field, nothing else moves.
         assert_eq!(desc_k_major_sw128(0x1_2340 + 32), d + 2);
+        let m = desc_mn_major_sw128(0x400, 8192);
+        assert_eq!(m & 0x3FFF, 0x40);
+        assert_eq!((m >> 16) & 0x3FFF, 512);
+        assert_eq!((m >> 32) & 0x3FFF, 64);
+        assert_eq!(m >> 62, 1);
     }
 }
