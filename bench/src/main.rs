@@ -4,6 +4,7 @@
 //! ```text
 //! lmhead-bench [quick|sweep|probe|entropy|tp] [--filter SUBSTR] [--budget-s N] [--reps N]
 //!              [--out results.jsonl] [--fallback] [--no-check] [--skip N]
+//!              [--bwd-chunk N]
 //! ```
 //!
 //! Measurement hygiene: random inputs (never zeros); tuning and warm-up of every operation before
@@ -44,6 +45,8 @@ pub struct Args {
     pub check: bool,
     /// Skip the suite's first `skip` shapes (the sweep runs cheapest first: resume a budgeted run).
     pub skip: usize,
+    /// The backward's vocab chunk width (`BwdOptions::chunk`); `None`: the library's default.
+    pub bwd_chunk: Option<usize>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -56,6 +59,7 @@ fn parse_args() -> Result<Args, String> {
         fallback: false,
         check: true,
         skip: 0,
+        bwd_chunk: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(x) = it.next() {
@@ -66,6 +70,9 @@ fn parse_args() -> Result<Args, String> {
             "--out" => a.out = it.next().ok_or("--out needs a value")?,
             "--fallback" => a.fallback = true,
             "--no-check" => a.check = false,
+            "--bwd-chunk" => {
+                a.bwd_chunk = Some(it.next().ok_or("--bwd-chunk needs a value")?.parse().map_err(|e| format!("--bwd-chunk: {e}"))?)
+            }
             "--skip" => a.skip = it.next().ok_or("--skip needs a value")?.parse().map_err(|e| format!("--skip: {e}"))?,
             "-h" | "--help" => return Err(String::new()),
             s if !s.starts_with('-') => a.suite = s.to_string(),
@@ -142,7 +149,10 @@ fn measure(head: &LmHead, stream: &Arc<CudaStream>, c: &Case, args: &Args, seed:
     };
     let gl = lmhead::testing::upload(stream, &vec![1.0f32; c.t])?;
     let ge = lmhead::testing::upload(stream, &vec![0.1f32; c.t])?;
-    let bo = BwdOptions { config: BwdConfigs::all(choice), ..Default::default() };
+    let mut bo = BwdOptions { config: BwdConfigs::all(choice), ..Default::default() };
+    if let Some(chunk) = args.bwd_chunk {
+        bo.chunk = chunk;
+    }
     // dh and dW, only for cases with a backward pass.
     let mut grads: Option<(CudaSlice<bf16>, CudaSlice<bf16>)> =
         c.backward.then(|| (stream.alloc_zeros(c.t * c.d).unwrap(), stream.alloc_zeros(c.v * c.d).unwrap()));
@@ -163,10 +173,12 @@ fn measure(head: &LmHead, stream: &Arc<CudaStream>, c: &Case, args: &Args, seed:
         };
         let r = head.backward(stream, &bx, &bo, GradOut::Bf16(dh), GradOut::Bf16(dw))?;
         bwd_cfg = format!(
-            "{}|{}|{}",
+            "{}|{}|{}{}",
             r.dlogits.suffix(lmhead::Family::BwdDlogitsEnt),
             r.dh.suffix(lmhead::Family::BwdDh),
-            r.dw.suffix(lmhead::Family::BwdDw)
+            r.dw.suffix(lmhead::Family::BwdDw),
+            // The chunk width when it is not the default (older records have none).
+            if r.chunk == lmhead::bwd::DEFAULT_CHUNK || r.chunks == 1 { String::new() } else { format!(" chunk {}", r.chunk) }
         );
         Ok(())
     };
@@ -250,7 +262,7 @@ fn main() {
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback] [--no-check] [--skip N]");
+            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback] [--no-check] [--skip N] [--bwd-chunk N]");
             std::process::exit(2);
         }
     };
