@@ -51,7 +51,7 @@ pub fn dlogit(inp: &Inputs, row: usize, j: usize, lse: f64, ent: f64, g: &Grads)
 
 /// Rows of `dh` (each `[d]`) for the given tokens.
 pub fn backward_dh_rows(inp: &Inputs, lse: &[f64], entropy: &[f64], g: &Grads, rows: &[usize]) -> Vec<Vec<f64>> {
-    backward_dh_rows_rss(inp, lse, entropy, g, rows).0
+    dh_rows::<false>(inp, lse, entropy, g, rows).0
 }
 
 /// Rows of `dh` and, per element, the root sum of squares of its terms,
@@ -60,36 +60,56 @@ pub fn backward_dh_rows(inp: &Inputs, lse: &[f64], entropy: &[f64], g: &Grads, r
 /// `|dh_j|` (a column of `W` constant over the vocabulary has `dh_j = 0` exactly, since the
 /// d-logits of a row sum to 0), so staged-precision errors must be judged against it.
 pub fn backward_dh_rows_rss(inp: &Inputs, lse: &[f64], entropy: &[f64], g: &Grads, rows: &[usize]) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
+    dh_rows::<true>(inp, lse, entropy, g, rows)
+}
+
+fn dh_rows<const RSS: bool>(inp: &Inputs, lse: &[f64], entropy: &[f64], g: &Grads, rows: &[usize]) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
     let d = inp.d;
     rows.par_iter()
-        .map(|&row| sum_and_rss(d, (0..inp.v).map(|j| (dlogit(inp, row, j, lse[row], entropy[row], g), &inp.w[j * d..(j + 1) * d]))))
+        .map(|&row| sum_terms::<RSS>(d, (0..inp.v).map(|j| (dlogit(inp, row, j, lse[row], entropy[row], g), &inp.w[j * d..(j + 1) * d]))))
         .unzip()
 }
 
 /// Rows of `dW` (each `[d]`) for the given local vocab rows.
 pub fn backward_dw_rows(inp: &Inputs, lse: &[f64], entropy: &[f64], g: &Grads, vrows: &[usize]) -> Vec<Vec<f64>> {
-    backward_dw_rows_rss(inp, lse, entropy, g, vrows).0
+    dw_rows::<false>(inp, lse, entropy, g, vrows).0
 }
 
 /// Rows of `dW` and the root sum of squares of their terms over tokens (as
 /// [`backward_dh_rows_rss`]).
 pub fn backward_dw_rows_rss(inp: &Inputs, lse: &[f64], entropy: &[f64], g: &Grads, vrows: &[usize]) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
+    dw_rows::<true>(inp, lse, entropy, g, vrows)
+}
+
+fn dw_rows<const RSS: bool>(inp: &Inputs, lse: &[f64], entropy: &[f64], g: &Grads, vrows: &[usize]) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
     let d = inp.d;
     vrows
         .par_iter()
-        .map(|&j| sum_and_rss(d, (0..inp.t).map(|row| (dlogit(inp, row, j, lse[row], entropy[row], g), &inp.h[row * d..(row + 1) * d]))))
+        .map(|&j| {
+            sum_terms::<RSS>(d, (0..inp.t).map(|row| (dlogit(inp, row, j, lse[row], entropy[row], g), &inp.h[row * d..(row + 1) * d])))
+        })
         .unzip()
 }
 
-/// `Σ a·x` and `sqrt(Σ (a·x)²)` over `(a, x)` terms, element-wise over the `d` entries of `x`.
-fn sum_and_rss<'a>(d: usize, terms: impl Iterator<Item = (f64, &'a [u16])>) -> (Vec<f64>, Vec<f64>) {
-    let (mut sum, mut sq) = (vec![0.0f64; d], vec![0.0f64; d]);
+/// `Σ a·x` over `(a, x)` terms, element-wise over the `d` entries of `x`, and with `RSS` also
+/// `sqrt(Σ (a·x)²)` (empty otherwise: the plain gradients, which are also the CPU backend's, do
+/// not pay for it).
+fn sum_terms<'a, const RSS: bool>(d: usize, terms: impl Iterator<Item = (f64, &'a [u16])>) -> (Vec<f64>, Vec<f64>) {
+    let mut sum = vec![0.0f64; d];
+    let mut sq = if RSS { vec![0.0f64; d] } else { Vec::new() };
     for (a, x) in terms {
-        if a != 0.0 {
+        if a == 0.0 {
+            continue;
+        }
+        if RSS {
             for ((s, q), &xk) in sum.iter_mut().zip(sq.iter_mut()).zip(x) {
                 let term = a * bf16::to_f64(xk);
                 *s += term;
                 *q += term * term;
+            }
+        } else {
+            for (s, &xk) in sum.iter_mut().zip(x) {
+                *s += a * bf16::to_f64(xk);
             }
         }
     }
