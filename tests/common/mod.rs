@@ -84,9 +84,7 @@ pub fn check(what: &str, case: &str, x: &[f64], r: &[f64], tol: Tol) -> Compare 
 /// Relative-L2 check with a norm guard (an all-zero reference proves nothing).
 #[track_caller]
 pub fn check_rel_l2(what: &str, case: &str, x: &[f64], r: &[f64], max_rel_l2: f64) -> Compare {
-    let c = compare(x, r, 1e-6);
-    assert!(c.ref_norm > 0.0, "{what} [{case}]: reference is all zeros, the check would prove nothing");
-    assert_eq!(c.nonfinite, 0, "{what} [{case}]: {} non-finite elements; {c:?}", c.nonfinite);
+    let c = compare_nonzero_finite(what, case, x, r);
     if c.rel_l2 > max_rel_l2 {
         panic!(
             "{what} [{case}]: rel_l2 {:.3e} > {max_rel_l2:.1e}; worst [{}] got {:.6e} want {:.6e}; {c:?}",
@@ -104,9 +102,7 @@ pub fn check_rel_l2(what: &str, case: &str, x: &[f64], r: &[f64], max_rel_l2: f6
 #[track_caller]
 pub fn check_rel_l2_terms(what: &str, case: &str, x: &[f64], r: &[f64], rss: &[f64], max_rel: f64) -> (Compare, f64) {
     assert_eq!(r.len(), rss.len(), "{what} [{case}]: rss length");
-    let c = compare(x, r, 1e-6);
-    assert!(c.ref_norm > 0.0, "{what} [{case}]: reference is all zeros, the check would prove nothing");
-    assert_eq!(c.nonfinite, 0, "{what} [{case}]: {} non-finite elements; {c:?}", c.nonfinite);
+    let c = compare_nonzero_finite(what, case, x, r);
     let scale = c.ref_norm.max(rss.iter().map(|v| v * v).sum::<f64>().sqrt());
     let err = c.rel_l2 * c.ref_norm;
     if err > max_rel * scale {
@@ -116,4 +112,14 @@ pub fn check_rel_l2_terms(what: &str, case: &str, x: &[f64], r: &[f64], rss: &[f
         );
     }
     (c, scale)
+}
+
+/// [`compare`] with the guards both L2 checks need: a non-zero reference (an all-zero one proves
+/// nothing) and no non-finite element.
+#[track_caller]
+fn compare_nonzero_finite(what: &str, case: &str, x: &[f64], r: &[f64]) -> Compare {
+    let c = compare(x, r, 1e-6);
+    assert!(c.ref_norm > 0.0, "{what} [{case}]: reference is all zeros, the check would prove nothing");
+    assert_eq!(c.nonfinite, 0, "{what} [{case}]: {} non-finite elements; {c:?}", c.nonfinite);
+    c
 }
