@@ -190,12 +190,11 @@ impl Tuner {
         // Confirmation rounds for the contenders.
         let first = times(&outcomes);
         let best_first = first.iter().map(|&(_, ms)| ms).fold(f64::INFINITY, f64::min);
-        let contenders: Vec<usize> = first.iter().filter(|&&(_, ms)| ms <= best_first * CONFIRM_WITHIN).map(|&(i, _)| i).collect();
+        let contenders: Vec<(usize, f64)> = first.into_iter().filter(|&(_, ms)| ms <= best_first * CONFIRM_WITHIN).collect();
         if contenders.len() > 1 {
             for round in 0..CONFIRM_ROUNDS {
-                let order: Vec<usize> = if round % 2 == 0 { contenders.iter().rev().copied().collect() } else { contenders.clone() };
-                for i in order {
-                    let first_ms = first.iter().find(|&&(j, _)| j == i).map_or(f64::NAN, |&(_, ms)| ms);
+                let order: Vec<(usize, f64)> = if round % 2 == 0 { contenders.iter().rev().copied().collect() } else { contenders.clone() };
+                for (i, first_ms) in order {
                     let (c, o) = &mut outcomes[i];
                     let Outcome::Timed { ms, confirm } = o else { continue };
                     match judge(trial(*c), &mut reference) {
