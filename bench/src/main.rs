@@ -209,24 +209,7 @@ fn measure(head: &LmHead, stream: &Arc<CudaStream>, c: &Case, args: &Args, seed:
     let check_max_abs = if args.check {
         let got = lmhead::testing::download_f32(stream, &lp)?;
         let got_ent = lmhead::testing::download_f32(stream, &lp_ent)?;
-        let rows: Vec<usize> = vec![0, c.t / 3, c.t - 1];
-        let inp = lmhead_reference::Inputs {
-            h: &hs,
-            w: &ws,
-            labels: &labels,
-            t: c.t,
-            v: c.v,
-            d: c.d,
-            v_begin: 0,
-            v_total: c.v as i64,
-            temperature: 1.0,
-            ignore_index: lmhead_reference::IGNORE_INDEX,
-        };
-        let r = lmhead_reference::forward_rows(&inp, &rows);
-        let e = rows.iter().zip(&r).map(|(&i, r)| (got[i] - r.logprob).abs().max((got_ent[i] - r.logprob).abs())).fold(0.0f64, f64::max);
-        if e.is_nan() || e >= 1e-3 {
-            return Err(lmhead::Error::Invalid(format!("timed forward disagrees with the reference: max |Δ logprob| = {e}")));
-        }
+        let e = check_sampled_logprobs("timed forward", (&hs, &ws, &labels), (c.t, c.v, c.d), &[&got, &got_ent])?;
         Some(e)
     } else {
         None
@@ -243,6 +226,36 @@ fn measure(head: &LmHead, stream: &Arc<CudaStream>, c: &Case, args: &Args, seed:
         workspace_mib: head.workspace_bytes() as f64 / (1 << 20) as f64,
         check_max_abs,
     })
+}
+
+/// Largest |Δ log-prob| of `outputs` (each `[t]` log-probs of the whole problem
+/// `(h, w, labels)`) against the f64 reference on rows 0, t/3 and t − 1; an error when it is NaN
+/// or reaches 1e-3, so that a fast wrong kernel cannot win.
+pub fn check_sampled_logprobs(
+    what: &str,
+    (h, w, labels): (&[u16], &[u16], &[i64]),
+    (t, v, d): (usize, usize, usize),
+    outputs: &[&[f64]],
+) -> lmhead::Result<f64> {
+    let rows: Vec<usize> = vec![0, t / 3, t - 1];
+    let inp = lmhead_reference::Inputs {
+        h,
+        w,
+        labels,
+        t,
+        v,
+        d,
+        v_begin: 0,
+        v_total: v as i64,
+        temperature: 1.0,
+        ignore_index: lmhead_reference::IGNORE_INDEX,
+    };
+    let r = lmhead_reference::forward_rows(&inp, &rows);
+    let e = rows.iter().zip(&r).flat_map(|(&i, r)| outputs.iter().map(move |o| (o[i] - r.logprob).abs())).fold(0.0f64, f64::max);
+    if e.is_nan() || e >= 1e-3 {
+        return Err(lmhead::Error::Invalid(format!("{what} disagrees with the reference: max |Δ logprob| = {e}")));
+    }
+    Ok(e)
 }
 
 /// Events that record timing (cudarc's default disables it).

@@ -27,7 +27,7 @@ use lmhead::{
 use lmhead_core::record::{Timing, TpRow};
 use lmhead_reference::rng::Rng;
 
-use crate::{cublas, random_bf16, sample, timing, Args};
+use crate::{check_sampled_logprobs, cublas, random_bf16, sample, timing, Args};
 
 /// Whole problems: (name, tokens, hidden D, vocab V).
 pub const CASES: &[(&str, usize, usize, usize)] =
@@ -293,24 +293,7 @@ fn measure(name: &str, pb: &Problem0<'_>, n: usize, reps: usize) -> lmhead::Resu
         );
     }
     // Rank 0's TP log-probs against the f64 reference on sampled rows.
-    let rows = vec![0, pb.t / 3, pb.t - 1];
-    let inp = lmhead_reference::Inputs {
-        h: pb.h,
-        w: pb.w,
-        labels: pb.labels,
-        t: pb.t,
-        v: pb.v,
-        d: pb.d,
-        v_begin: 0,
-        v_total: pb.v as i64,
-        temperature: 1.0,
-        ignore_index: lmhead_reference::IGNORE_INDEX,
-    };
-    let r = lmhead_reference::forward_rows(&inp, &rows);
-    let e = rows.iter().zip(&r).map(|(&i, r)| (ranks[0].logprob[i] - r.logprob).abs()).fold(0.0f64, f64::max);
-    if e.is_nan() || e >= 1e-3 {
-        return Err(lmhead::Error::Invalid(format!("TP={n} log-prob disagrees with the reference: max |Δ| = {e}")));
-    }
+    let e = check_sampled_logprobs(&format!("TP={n} log-prob"), (pb.h, pb.w, pb.labels), (pb.t, pb.v, pb.d), &[&ranks[0].logprob])?;
     Ok(TpRow {
         model: name.into(),
         tokens: pb.t,
