@@ -157,19 +157,19 @@ fn run_rank(
     let x = FwdInputs { h: &h, w: &w, labels: &lab, problem: p };
     let none = NoComm { rank, size: n };
     let timed = comm.map(|c| TimedComm { inner: c, spans: Mutex::new(Vec::new()) });
+    // The TP entry points through `comm`, or the plain ones for TP = 1 (no communicator).
+    let fwd = |comm: Option<&dyn Communicator>, out: FwdOutputs<'_>| match comm {
+        Some(c) => head.forward_tp(c, stream, &x, shard, &fo, out),
+        None => head.forward(stream, &x, &fo, out),
+    };
+    let tp = timed.as_ref().map(|c| c as &dyn Communicator);
     let mut cfg = String::new();
     let mut run = |op: Op| -> lmhead::Result<()> {
         match op {
             Op::Gemm => blas.run(&h, &w),
-            Op::Fused => match &timed {
-                Some(_) => head.forward_tp(&none, stream, &x, shard, &fo, ent_out(&mut lp2, &mut lse2, &mut ent)).map(drop),
-                None => head.forward(stream, &x, &fo, ent_out(&mut lp2, &mut lse2, &mut ent)).map(drop),
-            },
+            Op::Fused => fwd(tp.map(|_| &none as &dyn Communicator), ent_out(&mut lp2, &mut lse2, &mut ent)).map(drop),
             Op::FwdEnt | Op::FwdBwd => {
-                let r = match &timed {
-                    Some(c) => head.forward_tp(c, stream, &x, shard, &fo, ent_out(&mut lp, &mut lse, &mut ent))?,
-                    None => head.forward(stream, &x, &fo, ent_out(&mut lp, &mut lse, &mut ent))?,
-                };
+                let r = fwd(tp, ent_out(&mut lp, &mut lse, &mut ent))?;
                 cfg = r.config.map(|c| c.suffix(lmhead::Family::FwdEnt)).unwrap_or_default();
                 if op == Op::FwdEnt {
                     return Ok(());
@@ -184,7 +184,7 @@ fn run_rank(
                     grad_entropy: Some(&ge),
                     problem: p,
                 };
-                match &timed {
+                match tp {
                     Some(c) => {
                         head.backward_tp(c, stream, &bx, shard, ReduceDh::AllReduce, &bo, GradOut::Bf16(&mut dh), GradOut::Bf16(&mut dw))
                     }
@@ -192,14 +192,7 @@ fn run_rank(
                 }
                 .map(drop)
             }
-            Op::FwdLp => {
-                let out = FwdOutputs { logprob: &mut lp2, lse: &mut lse2, entropy: None };
-                match &timed {
-                    Some(c) => head.forward_tp(c, stream, &x, shard, &fo, out),
-                    None => head.forward(stream, &x, &fo, out),
-                }
-                .map(drop)
-            }
+            Op::FwdLp => fwd(tp, FwdOutputs { logprob: &mut lp2, lse: &mut lse2, entropy: None }).map(drop),
         }
     };
     let ops = [Op::Gemm, Op::Fused, Op::FwdEnt, Op::FwdLp, Op::FwdBwd];
