@@ -557,11 +557,12 @@ pub fn transpose_bf16(
         dst_cols: dst_cols as u32,
         _pad: 0,
     };
-    // 64 × 64 tiles (`kernels-gpu` `merge::TR_TILE`), one tile of shared memory per block; 8
-    // blocks of 256 threads fill an SM.
-    let tiles = (dst_cols.div_ceil(64) * cols.div_ceil(64)).max(1);
+    // Square tiles of `TRANSPOSE_TILE`, one tile of shared memory per block; 8 blocks of 256
+    // threads fill an SM.
+    let tile = fixed::TRANSPOSE_TILE as usize;
+    let tiles = (dst_cols.div_ceil(tile) * cols.div_ceil(tile)).max(1);
     let blocks = tiles.min(132 * 8) as u32;
-    launch(gpu, stream, fixed::TRANSPOSE_BF16, 64 * 64 * 2, (blocks, 1), fixed::THREADS, p)
+    launch(gpu, stream, fixed::TRANSPOSE_BF16, (tile * tile * 2) as u32, (blocks, 1), fixed::THREADS, p)
 }
 
 /// Which per-row merge kernel.

@@ -8,6 +8,7 @@
 
 use crate::fwd::load_label;
 use crate::intrinsics::{self, exp2, log2};
+use lmhead_core::config::fixed::TRANSPOSE_TILE as TR_TILE;
 use lmhead_core::lse::{Lse2, LN_2};
 use lmhead_core::params::{CastParams, MergeParams, Partial, TransposeParams, STATUS_BAD_LABEL};
 
@@ -167,10 +168,6 @@ pub unsafe fn cast_f32_bf16(p: &CastParams) {
         i += stride;
     }
 }
-
-/// Side of the square tiles of [`transpose_bf16`]; its dynamic shared memory is one tile,
-/// `TR_TILE² · 2` bytes.
-pub const TR_TILE: u32 = 64;
 
 /// `dst[c][r] = src[r][c]` (bf16), zero for `rows ≤ r < dst_cols`, in 64 × 64 tiles through
 /// shared memory, 256 threads, a grid-stride loop over the tiles.

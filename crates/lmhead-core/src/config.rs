@@ -285,6 +285,10 @@ pub mod fixed {
     pub const NAIVE_FWD: &str = "lm_head_naive_fwd";
     /// Transposes a bf16 matrix (K-major operands for the Hopper backward GEMMs).
     pub const TRANSPOSE_BF16: &str = "lm_head_transpose_bf16";
+    /// Side of the transpose's square tiles, for the kernel and its launch (dynamic shared
+    /// memory: one tile, `TRANSPOSE_TILE² · 2` bytes). The kernel's indexing assumes 64: one
+    /// 128-byte line per tile row.
+    pub const TRANSPOSE_TILE: u32 = 64;
     /// Unit kernel: one TMA box (the first tensor map of its params) copied to shared memory and
     /// written back byte for byte, so a test can check the 128-byte swizzle the mainloop assumes.
     pub const UNIT_TMA_COPY: &str = "lm_head_unit_tma_copy";
