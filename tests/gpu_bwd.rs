@@ -42,7 +42,8 @@ struct BwdCase {
     up: Upstream,
     dh_f32: bool,
     dw_f32: bool,
-    chunk: usize,
+    /// `None`: the library's automatic width.
+    chunk: Option<usize>,
     config: BwdConfigs,
     /// Threshold override (extreme inputs).
     max_rel_l2: Option<f64>,
@@ -51,18 +52,7 @@ struct BwdCase {
 impl BwdCase {
     fn new(t: usize, v: usize, d: usize, up: Upstream) -> Self {
         let s = Structure { all_negative: 0.0, huge: 0.0, ..Structure::default() };
-        Self {
-            t,
-            v,
-            d,
-            s,
-            up,
-            dh_f32: false,
-            dw_f32: false,
-            chunk: lmhead::bwd::DEFAULT_CHUNK,
-            config: BwdConfigs::all(Choice::Fallback),
-            max_rel_l2: None,
-        }
+        Self { t, v, d, s, up, dh_f32: false, dw_f32: false, chunk: None, config: BwdConfigs::all(Choice::Fallback), max_rel_l2: None }
     }
 }
 
@@ -88,7 +78,7 @@ fn sample(n: usize, cost_per: usize, seed: u64) -> Vec<usize> {
 fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &BwdCase, seed: u64) -> String {
     let case = Case::generate(seed, c.t, c.v, c.d, &c.s);
     let desc = format!(
-        "t={} v={} d={} {:?} dh_f32={} dw_f32={} chunk={} {:?} seed={seed} {:?}",
+        "t={} v={} d={} {:?} dh_f32={} dw_f32={} chunk={:?} {:?} seed={seed} {:?}",
         c.t, c.v, c.d, c.up, c.dh_f32, c.dw_f32, c.chunk, c.config, c.s
     );
     let p = Problem::new(c.t, c.v, c.d);
@@ -202,9 +192,17 @@ fn hopper_configs() -> BwdConfigs {
     first_configs(|c| c.wgmma && !c.tma)
 }
 
-/// The first warp-specialised TMA candidates of the backward families.
+/// The first warp-specialised TMA candidates of the backward families (K-major GEMMs, on
+/// transposed copies).
 fn tma_configs() -> BwdConfigs {
     first_configs(|c| c.tma)
+}
+
+/// The TMA d-logits and the first GEMM candidates that read the staging buffer, `W` and `h` in
+/// place (MN-major operands, no copies).
+fn in_place_configs() -> BwdConfigs {
+    let mn = |f: Family| Choice::Fixed(*f.candidates().iter().find(|c| c.mn).expect("an in-place candidate"));
+    BwdConfigs { dlogits: tma_configs().dlogits, dh: mn(Family::BwdDh), dw: mn(Family::BwdDw) }
 }
 
 /// Shapes and upstream-gradient combinations; several chunks with a tail; f32 and bf16 outputs;
@@ -215,7 +213,7 @@ fn shapes_and_upstreams() {
     for up in [Upstream::LogProb, Upstream::Entropy, Upstream::Both] {
         cases.push(BwdCase::new(7, 3, 64, up));
         let mut c = BwdCase::new(64, 1000, 1000, up);
-        c.chunk = 300;
+        c.chunk = Some(300);
         c.dh_f32 = up == Upstream::Both;
         cases.push(c);
     }
@@ -225,6 +223,8 @@ fn shapes_and_upstreams() {
     c.config = hopper_configs();
     cases.push(c.clone());
     c.config = tma_configs();
+    cases.push(c.clone());
+    c.config = in_place_configs();
     cases.push(c);
     let mut c = BwdCase::new(4097, 50257, 4096, Upstream::LogProb);
     cases.push(c.clone());
@@ -232,20 +232,25 @@ fn shapes_and_upstreams() {
     c.up = Upstream::Both;
     cases.push(c.clone());
     c.config = tma_configs();
+    cases.push(c.clone());
+    c.config = in_place_configs();
     cases.push(c);
     cases.push(BwdCase::new(1, 151936, 8, Upstream::Both));
     // A wide chunk (32768 columns ran fwd+bwd 3.5–5% faster in the bench at `ed589ae`): three
-    // chunks, the last a tail, on the TMA kernels. Added at the end of the fourth session, after
-    // the last device run: not yet run on a GPU.
+    // chunks, the last a tail, on both TMA GEMM kinds.
     let mut c = BwdCase::new(4097, 70001, 1024, Upstream::Both);
-    c.chunk = 32768;
+    c.chunk = Some(32768);
     c.config = tma_configs();
+    cases.push(c.clone());
+    c.config = in_place_configs();
     cases.push(c);
     let mut c = BwdCase::new(64, 1000, 1000, Upstream::Entropy);
-    c.chunk = 300;
+    c.chunk = Some(300);
     c.config = hopper_configs();
     cases.push(c.clone());
     c.config = tma_configs();
+    cases.push(c.clone());
+    c.config = in_place_configs();
     cases.push(c);
     run_all("gpu_bwd::shapes_and_upstreams", &cases);
 }
@@ -266,11 +271,13 @@ fn structures() {
         let mut c = BwdCase::new(300, 5003, 512, Upstream::Both);
         c.max_rel_l2 = (s.huge > 0.0).then_some(EXTREME_REL_L2);
         c.s = s;
-        c.chunk = 2048;
+        c.chunk = Some(2048);
         cases.push(c.clone());
         c.config = hopper_configs();
         cases.push(c.clone());
         c.config = tma_configs();
+        cases.push(c.clone());
+        c.config = in_place_configs();
         cases.push(c);
     }
     run_all("gpu_bwd::structures", &cases);
@@ -283,14 +290,14 @@ fn tile_boundaries_every_config() {
     for &cfg in Family::BwdDlogits.candidates() {
         let (bm, bn, bk) = (cfg.bm as usize, cfg.bn as usize, cfg.bk as usize);
         let mut c = BwdCase::new(bm + 1, 2 * bn + 3, 2 * bk + 8, Upstream::Both);
-        c.chunk = bn + 5;
+        c.chunk = Some(bn + 5);
         c.config.dlogits = Choice::Fixed(cfg);
         cases.push(c);
     }
     for &cfg in Family::BwdDh.candidates() {
         let (bm, bn, bk) = (cfg.bm as usize, cfg.bn as usize, cfg.bk as usize);
         let mut c = BwdCase::new(bm + 1, 4 * bk + 6, bn + 8, Upstream::LogProb);
-        c.chunk = 2 * bk + 3;
+        c.chunk = Some(2 * bk + 3);
         c.config.dh = Choice::Fixed(cfg);
         c.config.dw = Choice::Fixed(cfg);
         c.dh_f32 = bm % 128 == 0;
@@ -318,7 +325,7 @@ fn deterministic() {
         let mut dw: CudaSlice<bf16> = stream.alloc_zeros(v * d).unwrap();
         let x =
             BwdInputs { h: &h, w: &w, labels: &labels, lse: &lse, entropy: None, grad_logprob: Some(&gl), grad_entropy: None, problem: p };
-        let opts = BwdOptions { chunk: 1000, config: BwdConfigs::all(Choice::Fallback), ..Default::default() };
+        let opts = BwdOptions { chunk: Some(1000), config: BwdConfigs::all(Choice::Fallback), ..Default::default() };
         head.backward(&stream, &x, &opts, GradOut::Bf16(&mut dh), GradOut::Bf16(&mut dw)).unwrap();
         outs.push((stream.clone_dtoh(&dh).unwrap(), stream.clone_dtoh(&dw).unwrap()));
     }

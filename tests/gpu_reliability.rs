@@ -104,7 +104,7 @@ fn bad_inputs_are_typed_errors_and_leave_buffers_untouched() {
         assert!(untouched(&lp));
     }
     // A fixed config that is not a compiled candidate.
-    let bogus = lmhead::TileConfig { bm: 96, bn: 96, bk: 32, stages: 2, warps_m: 2, warps_n: 2, wgmma: false, tma: false };
+    let bogus = lmhead::TileConfig { bm: 96, bn: 96, bk: 32, stages: 2, warps_m: 2, warps_n: 2, wgmma: false, tma: false, mn: false };
     let (r, _, _) = run(&s.h, &s.w, &s.labels, p, &FwdOptions { config: Choice::Fixed(bogus), ..o.clone() });
     assert!(matches!(r, Err(Error::Config(_))), "{r:?}");
     // Tensor-parallel shard outside the vocabulary.
@@ -139,7 +139,8 @@ fn bad_inputs_are_typed_errors_and_leave_buffers_untouched() {
     let r = head.backward(&stream, &bx, &BwdOptions::default(), GradOut::Bf16(&mut dh), GradOut::Bf16(&mut dw));
     assert!(matches!(r, Err(Error::Invalid(_))), "{r:?}");
     let bx = BwdInputs { grad_entropy: None, grad_logprob: Some(&g), ..bx };
-    let r = head.backward(&stream, &bx, &BwdOptions { chunk: 0, ..Default::default() }, GradOut::Bf16(&mut dh), GradOut::Bf16(&mut dw));
+    let r =
+        head.backward(&stream, &bx, &BwdOptions { chunk: Some(0), ..Default::default() }, GradOut::Bf16(&mut dh), GradOut::Bf16(&mut dw));
     assert!(matches!(r, Err(Error::Invalid(_))), "{r:?}");
     let host = stream.clone_dtoh(&dh).unwrap();
     assert!(host.iter().all(|x| x.is_nan()), "dh written by a failed call");
@@ -309,7 +310,7 @@ fn large_indices_past_2_pow_31() {
         let mut dw: CudaSlice<f32> = stream.alloc_zeros(v * d).unwrap();
         poison(&stream, &mut dw).unwrap();
         let bx = BwdInputs { h: &h, w: &w, labels: &lab, lse: &lse, entropy: None, grad_logprob: Some(&g), grad_entropy: None, problem: p };
-        let bo = BwdOptions { chunk, config: BwdConfigs::all(Choice::Fallback), ..Default::default() };
+        let bo = BwdOptions { chunk: Some(chunk), config: BwdConfigs::all(Choice::Fallback), ..Default::default() };
         head.backward(&stream, &bx, &bo, GradOut::Bf16(&mut dh), GradOut::F32(&mut dw)).unwrap();
         let gdw = download_f32(&stream, &dw).unwrap();
         let vrows = [0, v / 2, v - 2, v - 1];
@@ -358,7 +359,7 @@ fn sanitizer_every_kernel_at_tail_shapes() {
             grad_entropy: Some(&g),
             problem: Problem::new(t, v, d),
         };
-        let bo = BwdOptions { chunk, config: cfg, ..Default::default() };
+        let bo = BwdOptions { chunk: Some(chunk), config: cfg, ..Default::default() };
         if f32_out {
             let mut dh: CudaSlice<f32> = stream.alloc_zeros(t * d).unwrap();
             let mut dw: CudaSlice<f32> = stream.alloc_zeros(v * d).unwrap();
@@ -411,7 +412,7 @@ fn sanitizer_every_kernel_at_tail_shapes() {
                     grad_entropy: Some(&g),
                     problem: p,
                 };
-                let bo = BwdOptions { chunk: 64, config: BwdConfigs::all(Choice::Fallback), ..Default::default() };
+                let bo = BwdOptions { chunk: Some(64), config: BwdConfigs::all(Choice::Fallback), ..Default::default() };
                 head.backward_tp(
                     comm,
                     &stream,

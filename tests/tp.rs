@@ -83,7 +83,7 @@ fn run_rank(
     // The fallback runs with a small chunk so that shards are walked in several chunks; the
     // autotuned runs with the default chunk.
     let bo = match config {
-        Choice::Fallback => BwdOptions { chunk: 96, config: BwdConfigs::all(config), ..Default::default() },
+        Choice::Fallback => BwdOptions { chunk: Some(96), config: BwdConfigs::all(config), ..Default::default() },
         _ => BwdOptions { config: BwdConfigs::all(config), ..Default::default() },
     };
     match comm {

@@ -151,7 +151,7 @@ fn measure(head: &LmHead, stream: &Arc<CudaStream>, c: &Case, args: &Args, seed:
     let ge = lmhead::testing::upload(stream, &vec![0.1f32; c.t])?;
     let mut bo = BwdOptions { config: BwdConfigs::all(choice), ..Default::default() };
     if let Some(chunk) = args.bwd_chunk {
-        bo.chunk = chunk;
+        bo.chunk = Some(chunk);
     }
     // dh and dW, only for cases with a backward pass.
     let mut grads: Option<(CudaSlice<bf16>, CudaSlice<bf16>)> =
@@ -177,8 +177,9 @@ fn measure(head: &LmHead, stream: &Arc<CudaStream>, c: &Case, args: &Args, seed:
             r.dlogits.suffix(lmhead::Family::BwdDlogitsEnt),
             r.dh.suffix(lmhead::Family::BwdDh),
             r.dw.suffix(lmhead::Family::BwdDw),
-            // The chunk width when it is not the default (older records have none).
-            if r.chunk == lmhead::bwd::DEFAULT_CHUNK || r.chunks == 1 { String::new() } else { format!(" chunk {}", r.chunk) }
+            // The chunk width, when the vocab took more than one (records before the automatic
+            // width only named widths other than 8192).
+            if r.chunks == 1 { String::new() } else { format!(" chunk {}", r.chunk) }
         );
         Ok(())
     };

@@ -1,7 +1,7 @@
 //! The backward pass: `dh [t, d]` and `dW [v, d]` from the upstream gradients of log-prob and/or
 //! entropy, without the `t × v` matrix.
 //!
-//! The vocab is walked in chunks of width `S = min(v, chunk)` (default [`DEFAULT_CHUNK`]). Per
+//! The vocab is walked in chunks of width `S = min(v, chunk)` (default [`auto_chunk`]). Per
 //! chunk, three launches on one stream:
 //! 1. `dlogits`: recompute the `t × S` logits on the tensor cores and write bf16 d-logits into
 //!    the staging buffer `[t][S₈]` (`S₈` = S rounded up to 8; padding columns are zeros);
@@ -31,9 +31,26 @@ use crate::tp::{Communicator, ReduceDh, ReduceOp, Shard};
 use crate::tune::{Choice, TuneKey};
 use crate::{bf16, LabelType, LmHead};
 
-/// Default vocab chunk width: `t · 8192` bf16 of staging (128 MiB at t = 8192), a few percent
-/// of f32 accumulator traffic on top of the chunk's GEMMs (see docs/perf-notes.md).
-pub const DEFAULT_CHUNK: usize = 8192;
+/// The staging buffer the automatic chunk width aims for: `t · S` bf16 within 512 MiB.
+pub const STAGING_BUDGET_BYTES: usize = 512 << 20;
+/// The narrowest automatic chunk: below it the chunk's launches and `dh` accumulator passes
+/// cost more than a few percent (docs/perf-notes.md), so long sequences go over the budget
+/// rather than below this (`t · 16 KiB`: 1 GiB at t = 65536).
+pub const MIN_AUTO_CHUNK: usize = 8192;
+/// The widest automatic chunk (32768 columns: fwd+bwd 3.5–5% faster than 8192 at t = 8192 in
+/// the bench; wider was not measured).
+pub const MAX_AUTO_CHUNK: usize = 32768;
+
+/// The chunk width a backward of `t` tokens uses unless `BwdOptions::chunk` says otherwise: the
+/// widest power of two whose staging fits [`STAGING_BUDGET_BYTES`], clamped to
+/// [`MIN_AUTO_CHUNK`] ..= [`MAX_AUTO_CHUNK`] (32768 up to t = 8192, 16384 at 16384, 8192 from
+/// 32768 tokens on). Fewer, wider chunks mean fewer passes over `dh`'s f32 accumulator and
+/// larger GEMMs per launch.
+pub fn auto_chunk(t: usize) -> usize {
+    let fit = STAGING_BUDGET_BYTES / (2 * t.max(1));
+    let pow2 = if fit == 0 { 1 } else { 1usize << fit.ilog2() };
+    pow2.clamp(MIN_AUTO_CHUNK, MAX_AUTO_CHUNK)
+}
 
 /// Inputs of a backward call.
 pub struct BwdInputs<'a, L: LabelType> {
@@ -63,8 +80,9 @@ pub struct BwdOptions {
     /// Must match the forward's.
     pub temperature: f32,
     pub ignore_index: i64,
-    /// Vocab chunk width (staging columns). Default [`DEFAULT_CHUNK`].
-    pub chunk: usize,
+    /// Vocab chunk width (staging columns); `None` (the default): [`auto_chunk`] of the token
+    /// count.
+    pub chunk: Option<usize>,
     /// Config choices of the d-logits kernel and the two GEMMs.
     pub config: BwdConfigs,
 }
@@ -86,7 +104,7 @@ impl BwdConfigs {
 
 impl Default for BwdOptions {
     fn default() -> Self {
-        Self { temperature: 1.0, ignore_index: lmhead_reference::IGNORE_INDEX, chunk: DEFAULT_CHUNK, config: BwdConfigs::all(Choice::Auto) }
+        Self { temperature: 1.0, ignore_index: lmhead_reference::IGNORE_INDEX, chunk: None, config: BwdConfigs::all(Choice::Auto) }
     }
 }
 
@@ -171,7 +189,7 @@ impl LmHead {
         if x.grad_entropy.is_some() && x.entropy.is_none() {
             return Err(Error::Invalid("an entropy gradient needs the entropy saved by the forward".into()));
         }
-        if opts.chunk == 0 {
+        if opts.chunk == Some(0) {
             return Err(Error::Invalid("chunk width must be ≥ 1".into()));
         }
         let sc = Scalars { inv_temp, ignore_index: opts.ignore_index, v_begin: shard.v_begin as i64 };
@@ -209,7 +227,7 @@ impl LmHead {
         dw: &Out,
     ) -> Result<BwdReport> {
         let dims = Dims { t: p.t, v: p.v, d: p.d };
-        let chunk = opts.chunk.min(p.v);
+        let chunk = opts.chunk.unwrap_or_else(|| auto_chunk(p.t)).min(p.v);
         let stride = stride_of(chunk);
         let chunks = p.v.div_ceil(chunk);
         let fam_dl = if ent.is_some() { Family::BwdDlogitsEnt } else { Family::BwdDlogits };
@@ -220,13 +238,13 @@ impl LmHead {
             let ws = &mut *guard;
             let staging = ws.staging.get(stream, p.t * stride)?;
             let staging = dev_out(staging, stream, "staging")?;
-            // K-major copies for the Hopper GEMMs (only when a wgmma config was chosen).
+            // K-major copies for the Hopper GEMMs (only for wgmma configs that need them).
             let t8 = p.t.next_multiple_of(8);
-            let wt = match cfg_dh.wgmma {
+            let wt = match cfg_dh.reads_k_major_copies() {
                 true => Some(dev_out(ws.w_chunk_t.get(stream, p.d * stride)?, stream, "transposed W chunk")?),
                 false => None,
             };
-            let (st_t, ht) = match cfg_dw.wgmma {
+            let (st_t, ht) = match cfg_dw.reads_k_major_copies() {
                 true => (
                     Some(dev_out(ws.staging_t.get(stream, chunk * t8)?, stream, "transposed staging")?),
                     Some(dev_out(ws.h_t.get(stream, p.d * t8)?, stream, "transposed h")?),
@@ -364,10 +382,11 @@ impl LmHead {
     }
 }
 
-/// The two backward GEMMs of a chunk with either kernel kind: `mma.sync` configs read the
-/// staging buffer, `W` and `h` as they are (N-major B, M-major A for dW); `wgmma` configs read
-/// K-major copies made here by the transpose kernel (`wt`: the `W` chunk `[d][stride]`, `st_t`:
-/// the staging chunk `[cw][t8]`, `ht`: `h` `[d][t8]`, padding zeros).
+/// The two backward GEMMs of a chunk with any kernel kind: `mma.sync` configs and the TMA
+/// configs with `mn` read the staging buffer, `W` and `h` as they are (N-major B, M-major A for
+/// dW); the other `wgmma` configs read K-major copies made here by the transpose kernel (`wt`:
+/// the `W` chunk `[d][stride]`, `st_t`: the staging chunk `[cw][t8]`, `ht`: `h` `[d][t8]`,
+/// padding zeros).
 struct Gemms<'a> {
     gpu: &'a crate::device::Gpu,
     stream: &'a Arc<CudaStream>,
@@ -385,9 +404,9 @@ impl Gemms<'_> {
         self.p.t.next_multiple_of(8)
     }
 
-    /// Once per call: `h`ᵀ for a wgmma dW.
+    /// Once per call: `h`ᵀ for a dW config that reads K-major copies.
     fn prepare(&self, cfg_dw: TileConfig) -> Result<()> {
-        if cfg_dw.wgmma {
+        if cfg_dw.reads_k_major_copies() {
             let ht = self.ht.ok_or_else(|| Error::Config("no buffer for hᵀ".into()))?;
             launch::transpose_bf16(self.gpu, self.stream, (self.p.t, self.p.d, self.p.d), self.h, (self.t8(), self.t8()), ht)?;
         }
@@ -406,7 +425,7 @@ impl Gemms<'_> {
     ) -> Result<()> {
         let (p, stride) = (self.p, self.stride);
         let w_chunk = self.w.sub(c0 * p.d, cw * p.d, 2)?;
-        if cfg.wgmma {
+        if cfg.reads_k_major_copies() {
             let wt = self.wt.ok_or_else(|| Error::Config("no buffer for W chunkᵀ".into()))?;
             launch::transpose_bf16(self.gpu, self.stream, (cw, p.d, p.d), &w_chunk, (stride, stride), wt)?;
             launch::bwd_gemm_kk(self.gpu, self.stream, Family::BwdDh, cfg, (p.t, p.d, cw), (staging, stride), (wt, stride), acc, out, mode)
@@ -418,7 +437,7 @@ impl Gemms<'_> {
     /// `dW_chunk = staging[:, :cw]ᵀ · h` into `out` (`[cw][d]`).
     fn dw(&self, cfg: TileConfig, cw: usize, staging: &Dev, out: &Dev, mode: GemmOut) -> Result<()> {
         let (p, stride, t8) = (self.p, self.stride, self.t8());
-        if cfg.wgmma {
+        if cfg.reads_k_major_copies() {
             let (st_t, ht) = match (self.st_t, self.ht) {
                 (Some(a), Some(b)) => (a, b),
                 _ => return Err(Error::Config("no buffers for stagingᵀ / hᵀ".into())),
@@ -438,6 +457,27 @@ impl Gemms<'_> {
                 Some(out),
                 mode,
             )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn automatic_chunk_fits_the_staging_budget_within_its_bounds() {
+        assert_eq!(auto_chunk(1), MAX_AUTO_CHUNK);
+        assert_eq!(auto_chunk(4096), 32768);
+        assert_eq!(auto_chunk(8192), 32768, "512 MiB of staging at t = 8192");
+        assert_eq!(auto_chunk(8193), 16384);
+        assert_eq!(auto_chunk(16384), 16384);
+        assert_eq!(auto_chunk(32768), 8192);
+        assert_eq!(auto_chunk(1 << 20), MIN_AUTO_CHUNK, "never narrower than the minimum");
+        for t in [1, 100, 5000, 8192, 12345, 16384, 20000] {
+            let s = auto_chunk(t);
+            assert!(s.is_power_of_two() && (MIN_AUTO_CHUNK..=MAX_AUTO_CHUNK).contains(&s));
+            assert!(2 * t * s <= STAGING_BUDGET_BYTES || s == MIN_AUTO_CHUNK, "t {t}: {s}");
         }
     }
 }

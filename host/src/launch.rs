@@ -147,28 +147,42 @@ where
     Ok(())
 }
 
-/// A K-major bf16 operand of a TMA config: `rows` rows of `k` elements, `stride` elements apart,
-/// loaded in boxes of 64 (K) × `box_rows`.
+/// A bf16 operand of a TMA config: `rows` rows of `cols` contiguous elements, `stride` elements
+/// apart, loaded in boxes of 64 columns × `box_rows` rows. K-major operands have K along the
+/// columns (boxes 64 × the tile's rows); MN-major ones (`TileConfig::mn`) have K along the rows
+/// and M or N along the columns (boxes 64 × 64, one per 64-wide slab of the tile).
 #[derive(Clone, Copy, Debug)]
 struct TmaOperand {
     ptr: u64,
     rows: usize,
-    k: usize,
+    cols: usize,
     stride: usize,
     box_rows: u32,
+}
+
+impl TmaOperand {
+    /// `[rows][k]` read K-major by tiles of `box_rows` rows.
+    fn k_major(ptr: u64, rows: usize, k: usize, stride: usize, box_rows: u16) -> Self {
+        Self { ptr, rows, cols: k, stride, box_rows: box_rows.into() }
+    }
+
+    /// `[k][mn]` read MN-major, 64 × 64 boxes.
+    fn mn_major(ptr: u64, k: usize, mn: usize, stride: usize) -> Self {
+        Self { ptr, rows: k, cols: mn, stride, box_rows: 64 }
+    }
 }
 
 /// The tensor map of one operand: 2-D, bf16, 128-byte swizzle (the layout the `wgmma`
 /// descriptors read), out-of-bounds elements zero-filled, 256-byte L2 promotion.
 fn encode_tmap(op: TmaOperand) -> Result<[u8; 128]> {
     let elem = 2usize;
-    if !op.ptr.is_multiple_of(16) || !(op.stride * elem).is_multiple_of(16) || op.stride < op.k || op.rows == 0 || op.k == 0 {
+    if !op.ptr.is_multiple_of(16) || !(op.stride * elem).is_multiple_of(16) || op.stride < op.cols || op.rows == 0 || op.cols == 0 {
         return Err(Error::Config(format!("no tensor map for {op:?}: 16-byte aligned rows and base needed")));
     }
-    if op.rows > u32::MAX as usize || op.k > u32::MAX as usize || op.box_rows == 0 || op.box_rows > 256 {
+    if op.rows > u32::MAX as usize || op.cols > u32::MAX as usize || op.box_rows == 0 || op.box_rows > 256 {
         return Err(Error::Config(format!("no tensor map for {op:?}: dimensions out of range")));
     }
-    let dims: [u64; 2] = [op.k as u64, op.rows as u64];
+    let dims: [u64; 2] = [op.cols as u64, op.rows as u64];
     let strides: [u64; 1] = [(op.stride * elem) as u64];
     let boxes: [u32; 2] = [64, op.box_rows];
     let elem_strides: [u32; 2] = [1, 1];
@@ -307,8 +321,8 @@ pub fn fwd_mainloop(
     let (maps, tmaps) = tma_maps_for(
         cfg,
         stream,
-        TmaOperand { ptr: hp, rows: dims.t, k: dims.d, stride: dims.d, box_rows: cfg.bm as u32 },
-        TmaOperand { ptr: wp, rows: dims.v, k: dims.d, stride: dims.d, box_rows: cfg.bn as u32 },
+        TmaOperand::k_major(hp, dims.t, dims.d, dims.d, cfg.bm),
+        TmaOperand::k_major(wp, dims.v, dims.d, dims.d, cfg.bn),
     )?;
     p.tmaps = tmaps;
     let grid = (dims.t.div_ceil(cfg.bm as usize) as u32, n_splits);
@@ -392,8 +406,8 @@ pub fn bwd_dlogits(
     let (maps, tmaps) = tma_maps_for(
         cfg,
         stream,
-        TmaOperand { ptr: hp, rows: dims.t, k: dims.d, stride: dims.d, box_rows: cfg.bm as u32 },
-        TmaOperand { ptr: wp, rows: chunk_begin + chunk, k: dims.d, stride: dims.d, box_rows: cfg.bn as u32 },
+        TmaOperand::k_major(hp, dims.t, dims.d, dims.d, cfg.bm),
+        TmaOperand::k_major(wp, chunk_begin + chunk, dims.d, dims.d, cfg.bn),
     )?;
     p.tmaps = tmaps;
     // Columns beyond the chunk up to a whole tile are written only below `stride`.
@@ -413,8 +427,10 @@ pub struct GemmOut {
     pub out_f32: bool,
 }
 
-/// `C[m][n] (+)= Σ_k A · B` for the backward: `family` is `BwdDh` (A `[m][k]` K-major) or `BwdDw`
-/// (A `[k][m]` M-major, i.e. the staging buffer read transposed); B is `[k][n]`.
+/// `C[m][n] (+)= Σ_k A · B` for the backward, on the operands as stored: `family` is `BwdDh`
+/// (A `[m][k]` K-major) or `BwdDw` (A `[k][m]` M-major, i.e. the staging buffer read
+/// transposed); B is `[k][n]`. `cfg` is an `mma.sync` config or a TMA one that reads operands in
+/// place (`cfg.mn`); other `wgmma` configs read K-major copies ([`bwd_gemm_kk`]).
 #[allow(clippy::too_many_arguments)]
 pub fn bwd_gemm(
     gpu: &Gpu,
@@ -428,7 +444,7 @@ pub fn bwd_gemm(
     out: Option<&Dev>,
     mode: GemmOut,
 ) -> Result<()> {
-    if cfg.wgmma {
+    if cfg.wgmma && !cfg.mn {
         return Err(Error::Config(format!("{cfg:?} reads K-major operands: use bwd_gemm_kk")));
     }
     if n % 8 != 0 || a_stride % 8 != 0 || b_stride % 8 != 0 || b_stride < n {
@@ -451,11 +467,18 @@ pub fn bwd_gemm(
         _ => return Err(Error::Config(format!("{family:?} is not a GEMM family"))),
     };
     let (a, b) = (a.check(a_need, 16)?, b.check(k * b_stride, 16)?);
-    launch_gemm(gpu, stream, family, cfg, (m, n, k), (a, a_stride), (b, b_stride), acc, out, mode)
+    // The tensor maps of an in-place TMA config: B, and dW's A, are MN-major.
+    let a_map = match family {
+        Family::BwdDh => TmaOperand::k_major(a, m, k, a_stride, cfg.bm),
+        _ => TmaOperand::mn_major(a, k, m, a_stride),
+    };
+    let maps = (a_map, TmaOperand::mn_major(b, k, n, b_stride));
+    launch_gemm(gpu, stream, family, cfg, (m, n, k), (a, a_stride), (b, b_stride), maps, acc, out, mode)
 }
 
-/// The launch shared by both GEMM kinds, after each checked its operands: the C buffers' bounds
-/// for `mode`, then the grid of `(bm × bn)` tiles.
+/// The launch shared by both GEMM kinds, after each checked its operands (and described them
+/// as tensor maps, which only a TMA config loads through): the C buffers' bounds for `mode`,
+/// then the grid of `(bm × bn)` tiles.
 #[allow(clippy::too_many_arguments)]
 fn launch_gemm(
     gpu: &Gpu,
@@ -465,6 +488,7 @@ fn launch_gemm(
     (m, n, k): (usize, usize, usize),
     (a, a_stride): (u64, usize),
     (b, b_stride): (u64, usize),
+    (a_map, b_map): (TmaOperand, TmaOperand),
     acc: Option<&Dev>,
     out: Option<&Dev>,
     mode: GemmOut,
@@ -489,13 +513,7 @@ fn launch_gemm(
     if let Some(o) = out {
         p.c_out = o.check(m * n, if mode.out_f32 { 8 } else { 4 })?;
     }
-    // TMA configs are K-major (only `bwd_gemm_kk` passes them here).
-    let (maps, tmaps) = tma_maps_for(
-        cfg,
-        stream,
-        TmaOperand { ptr: a, rows: m, k, stride: a_stride, box_rows: cfg.bm as u32 },
-        TmaOperand { ptr: b, rows: n, k, stride: b_stride, box_rows: cfg.bn as u32 },
-    )?;
+    let (maps, tmaps) = tma_maps_for(cfg, stream, a_map, b_map)?;
     p.tmaps = tmaps;
     let m_tiles = m.div_ceil(cfg.bm as usize) as u32;
     let plan = bwd_plan(gpu, cfg, m_tiles, n.div_ceil(cfg.bn as usize) as u32, k);
@@ -531,8 +549,12 @@ pub fn bwd_gemm_kk(
             "K-major gemm needs n % 8 == 0 and strides ≥ k rounded to 8 (n {n}, k {k}, strides {a_stride}, {b_stride})"
         )));
     }
+    if cfg.mn {
+        return Err(Error::Config(format!("{cfg:?} reads the operands in place: use bwd_gemm")));
+    }
     let (a, b) = (a.check(m * a_stride, 16)?, b.check(n * b_stride, 16)?);
-    launch_gemm(gpu, stream, family, cfg, (m, n, k), (a, a_stride), (b, b_stride), acc, out, mode)
+    let maps = (TmaOperand::k_major(a, m, k, a_stride, cfg.bm), TmaOperand::k_major(b, n, k, b_stride, cfg.bn));
+    launch_gemm(gpu, stream, family, cfg, (m, n, k), (a, a_stride), (b, b_stride), maps, acc, out, mode)
 }
 
 /// `dst[c][r] = src[r][c]` for `r < rows`, `c < cols`, zeros for `rows ≤ r < dst_cols` (bf16).
@@ -697,7 +719,7 @@ pub fn unit_tma_copy(
     if rows == 0 || rows > 256 || rows % 8 != 0 {
         return Err(Error::Config(format!("unit TMA box of {rows} rows (1..=256, multiple of 8)")));
     }
-    let a = TmaOperand { ptr: src.check(src_rows * stride, 16)?, rows: src_rows, k, stride, box_rows: rows };
+    let a = TmaOperand { ptr: src.check(src_rows * stride, 16)?, rows: src_rows, cols: k, stride, box_rows: rows };
     let (maps, tmaps) = tma_maps(stream, a, a)?;
     let p = UnitParams { tmaps, out: out.check(rows as usize * 64, 16)?, k0, row0, rows, _pad: 0 };
     launch(gpu, stream, fixed::UNIT_TMA_COPY, rows * 128 + 8, (1, 1), 128, p)?;
@@ -713,8 +735,8 @@ pub fn unit_wgmma(gpu: &Gpu, stream: &Arc<CudaStream>, a: &Dev, b: &Dev, n: usiz
         256 => fixed::UNIT_WGMMA_N256,
         _ => return Err(Error::Config(format!("unit wgmma tile of {n} columns (128 or 256)"))),
     };
-    let ta = TmaOperand { ptr: a.check(64 * 64, 16)?, rows: 64, k: 64, stride: 64, box_rows: 64 };
-    let tb = TmaOperand { ptr: b.check(n * 64, 16)?, rows: n, k: 64, stride: 64, box_rows: n as u32 };
+    let ta = TmaOperand { ptr: a.check(64 * 64, 16)?, rows: 64, cols: 64, stride: 64, box_rows: 64 };
+    let tb = TmaOperand { ptr: b.check(n * 64, 16)?, rows: n, cols: 64, stride: 64, box_rows: n as u32 };
     let (maps, tmaps) = tma_maps(stream, ta, tb)?;
     let p = UnitParams { tmaps, out: out.check(64 * n, 8)?, ..Default::default() };
     launch(gpu, stream, name, ((64 + n) * 128 + 16) as u32, (1, 1), 128, p)?;
@@ -726,8 +748,8 @@ pub fn unit_wgmma(gpu: &Gpu, stream: &Arc<CudaStream>, a: &Dev, b: &Dev, n: usiz
 /// MN-major (`B[k][n]`), read by `wgmma` with `imm-trans-b`; the B descriptor gets the leading
 /// and stride byte offsets `(lbo, sbo)`. `out`: `64 × 128` f32.
 pub fn unit_wgmma_mn(gpu: &Gpu, stream: &Arc<CudaStream>, a: &Dev, b: &Dev, (lbo, sbo): (u32, u32), out: &Dev) -> Result<()> {
-    let ta = TmaOperand { ptr: a.check(64 * 64, 16)?, rows: 64, k: 64, stride: 64, box_rows: 64 };
-    let tb = TmaOperand { ptr: b.check(64 * 128, 16)?, rows: 64, k: 128, stride: 128, box_rows: 64 };
+    let ta = TmaOperand { ptr: a.check(64 * 64, 16)?, rows: 64, cols: 64, stride: 64, box_rows: 64 };
+    let tb = TmaOperand { ptr: b.check(64 * 128, 16)?, rows: 64, cols: 128, stride: 128, box_rows: 64 };
     let (maps, tmaps) = tma_maps(stream, ta, tb)?;
     let p = UnitParams { tmaps, out: out.check(64 * 128, 8)?, k0: lbo, row0: sbo, ..Default::default() };
     launch(gpu, stream, fixed::UNIT_WGMMA_MN_N128, 3 * 8192 + 16, (1, 1), 128, p)?;

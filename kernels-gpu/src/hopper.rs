@@ -28,7 +28,7 @@ use crate::intrinsics::{self, SmemAddr};
 use crate::mainloop::{self, Acc, Operand, WarpPos};
 use lmhead_core::lse::Lse2;
 use lmhead_core::params::{GemmParams, LogitsParams};
-use lmhead_core::wgmma::desc_k_major_sw128;
+use lmhead_core::wgmma::{desc_k_major_sw128, desc_mn_major_sw128};
 
 const BK: usize = 64;
 
@@ -116,7 +116,7 @@ pub unsafe fn wg_pipeline<const BM: usize, const BN: usize, const ST: usize, con
                 intrinsics::wgmma_fence();
                 unroll!(4, |kk| {
                     let koff = (kk * 32) as u32;
-                    wgmma_k16_n128::<NW>(acc, a_s + koff, b_s + koff, k > 0 || kk > 0);
+                    wgmma_k16_n128::<NW, false, false>(acc, a_s + koff, b_s + koff, k > 0 || kk > 0);
                 });
                 intrinsics::wgmma_commit();
                 intrinsics::wgmma_wait::<1>();
@@ -193,18 +193,19 @@ impl TmaRing {
 /// Start of a warp-specialised TMA kernel: initialise the ring's mbarriers, then split the
 /// block. The last warpgroup is the producer: its first thread walks the same `(tile, k)`
 /// sequence as the consumers and, for each, waits until the stage is free, then has the tensor
-/// memory accelerator load the A box `(k·64, m0)` and the B box `(k·64, n0_first + tile·BN)` into
-/// it; the producer threads then exit (they never return from this function). The first `WGM`
+/// memory accelerator load A's rows `m0 ..` and B's rows `n0_first + tile·BN ..` at depth `k·64`
+/// into it ([`tma_operand`]; `AMN` / `BMN`: that operand is MN-major); the producer threads then exit (they never return from this function). The first `WGM`
 /// warpgroups return, with more registers, to run the prologue, [`tma_pipeline`] and the
 /// epilogue.
 ///
 /// # Safety
 /// Called first thing by all `(WGM + 1)·128` threads of the block with the same arguments except
 /// `tid`; the dynamic shared memory holds the ring and `2·ST` mbarriers after it; `tmaps` points
-/// to two tensor maps in global memory (A, then B, 128 bytes each) of bf16 K-major operands with
-/// 64 × BM and 64 × BN boxes and the 128-byte swizzle.
+/// to two tensor maps in global memory (A, then B, 128 bytes each) of bf16 operands with the
+/// 128-byte swizzle: a K-major operand's map has 64 (K) × BM (or BN) boxes over `[rows][K]`, an
+/// MN-major one's 64 (MN) × 64 (K) boxes over `[K][MN]`.
 #[inline(always)]
-pub unsafe fn tma_split<const BM: usize, const BN: usize, const ST: usize, const WGM: usize>(
+pub unsafe fn tma_split<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const AMN: bool, const BMN: bool>(
     tid: u32,
     tmaps: u64,
     m0: u32,
@@ -267,8 +268,8 @@ pub unsafe fn tma_split<const BM: usize, const BN: usize, const ST: usize, const
             unsafe {
                 intrinsics::mbar_wait(r.empty(s), phase ^ 1);
                 intrinsics::mbar_arrive_expect_tx(r.full(s), r.stage_bytes);
-                intrinsics::tma_load_2d(dst, ta, (k * BK as u32) as i32, m0 as i32, r.full(s));
-                intrinsics::tma_load_2d(dst + r.a_bytes, tb, (k * BK as u32) as i32, (n0_first + tile * BN as u32) as i32, r.full(s));
+                tma_operand::<AMN, BM>(dst, ta, m0, k * BK as u32, r.full(s));
+                tma_operand::<BMN, BN>(dst + r.a_bytes, tb, n0_first + tile * BN as u32, k * BK as u32, r.full(s));
             }
             k += 1;
             if k == kt {
@@ -286,6 +287,52 @@ pub unsafe fn tma_split<const BM: usize, const BN: usize, const ST: usize, const
     intrinsics::exit()
 }
 
+/// Bytes of one MN-major slab: 64 MN elements (one 128-byte line) × 64 K rows.
+const SLAB_BYTES: u32 = 64 * 128;
+
+/// Bytes a k16 step advances an operand's shared-memory address: 16 bf16 along a K-major
+/// operand's 128-byte rows, 16 rows of an MN-major operand's slabs.
+const fn k16_bytes(mn: bool) -> u32 {
+    if mn {
+        16 * 128
+    } else {
+        32
+    }
+}
+
+/// The `wgmma` descriptor of a 128B-swizzled operand tile at `addr`, K-major or (`MN`) MN-major
+/// in [`SLAB_BYTES`] slabs (`lmhead_core::wgmma`).
+#[inline(always)]
+fn operand_desc<const MN: bool>(addr: SmemAddr) -> u64 {
+    if MN {
+        desc_mn_major_sw128(addr, SLAB_BYTES)
+    } else {
+        desc_k_major_sw128(addr)
+    }
+}
+
+/// The TMA loads of one operand's stage tile: `ROWS` rows (M or N) from `row0`, 64 deep from
+/// `k0`. K-major: one box `(k0, row0)` of 64 × `ROWS`, landing as `ROWS` 128-byte K lines.
+/// MN-major (`MN`): `ROWS / 64` boxes `(row0 + 64i, k0)` of 64 × 64, slab `i` at
+/// `dst + i·SLAB_BYTES`. Either way `ROWS · 128` bytes complete on `bar`.
+///
+/// # Safety
+/// As [`intrinsics::tma_load_2d`] for each box: `map` is a tensor map of the layout `MN` names
+/// with boxes of those sizes, `dst` a 1024-byte-aligned free stage region of `ROWS · 128` bytes,
+/// `bar` an initialised mbarrier expecting the bytes.
+#[inline(always)]
+unsafe fn tma_operand<const MN: bool, const ROWS: usize>(dst: SmemAddr, map: *const u8, row0: u32, k0: u32, bar: SmemAddr) {
+    if MN {
+        unroll!(ROWS / 64, |i| {
+            // SAFETY: forwarded contract; slab `i` is the i-th 8 KiB of the region.
+            unsafe { intrinsics::tma_load_2d(dst + i as u32 * SLAB_BYTES, map, (row0 + 64 * i as u32) as i32, k0 as i32, bar) };
+        });
+    } else {
+        // SAFETY: forwarded contract.
+        unsafe { intrinsics::tma_load_2d(dst, map, k0 as i32, row0 as i32, bar) };
+    }
+}
+
 /// The consumer side of a TMA kernel: the same contract as [`wg_pipeline`], fed by the producer
 /// of [`tma_split`] through the mbarrier ring instead of block-wide `cp.async` rounds. Per stage:
 /// wait for `full[s]`, issue the `wgmma`s, commit, `wgmma.wait_group 1` (the previous stage's
@@ -298,7 +345,15 @@ pub unsafe fn tma_split<const BM: usize, const BN: usize, const ST: usize, const
 /// Called by the `WGM·128` consumer threads that [`tma_split`] returned to, with the arguments
 /// the producer was given.
 #[inline(always)]
-pub unsafe fn tma_pipeline<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize>(
+pub unsafe fn tma_pipeline<
+    const BM: usize,
+    const BN: usize,
+    const ST: usize,
+    const WGM: usize,
+    const NW: usize,
+    const AMN: bool,
+    const BMN: bool,
+>(
     tid: u32,
     n_tiles: u32,
     kt: u32,
@@ -324,8 +379,8 @@ pub unsafe fn tma_pipeline<const BM: usize, const BN: usize, const ST: usize, co
                 intrinsics::mbar_wait(r.full(s), phase);
                 intrinsics::wgmma_fence();
                 unroll!(4, |kk| {
-                    let koff = (kk * 32) as u32;
-                    wgmma_k16::<NW>(acc, a_s + koff, b_s + koff, k > 0 || kk > 0);
+                    let kk = kk as u32;
+                    wgmma_k16::<NW, AMN, BMN>(acc, a_s + kk * k16_bytes(AMN), b_s + kk * k16_bytes(BMN), k > 0 || kk > 0);
                 });
                 intrinsics::wgmma_commit();
                 intrinsics::wgmma_wait::<1>();
@@ -357,22 +412,28 @@ pub unsafe fn tma_pipeline<const BM: usize, const BN: usize, const ST: usize, co
 }
 
 /// One k16 step of the warpgroup's `64 × 128·NW` tile: a single `m64n256k16` for two column
-/// blocks (A read once), else one `m64n128k16` per block.
+/// blocks (A read once), else one `m64n128k16` per block. `AMN` / `BMN`: that operand is
+/// MN-major ([`SLAB_BYTES`] slabs, read with `imm-trans`), else K-major.
 ///
 /// # Safety
 /// As [`intrinsics::wgmma_m64n128k16_bf16`]: `a_s`/`b_s` address the k16 slice of a loaded
-/// 128B-swizzled A (64 rows) and B (`128·NW` rows) tile.
+/// 128B-swizzled A (64 rows) and B (`128·NW` rows) tile of the named layouts.
 #[inline(always)]
-pub(crate) unsafe fn wgmma_k16<const NW: usize>(acc: &mut WgAcc<NW>, a_s: SmemAddr, b_s: SmemAddr, accumulate: bool) {
-    let ad = desc_k_major_sw128(a_s);
+pub(crate) unsafe fn wgmma_k16<const NW: usize, const AMN: bool, const BMN: bool>(
+    acc: &mut WgAcc<NW>,
+    a_s: SmemAddr,
+    b_s: SmemAddr,
+    accumulate: bool,
+) {
+    let ad = operand_desc::<AMN>(a_s);
     if NW == 2 {
         let pair: &mut [[[[f32; 4]; 8]; 2]; 2] = (&mut acc[..]).try_into().unwrap_or_else(|_| intrinsics::trap());
-        // SAFETY: forwarded contract; B's 256 rows are consecutive 128-byte lines, 8-row atoms
-        // 1024 bytes apart, as for two n128 blocks.
-        unsafe { intrinsics::wgmma_m64n256k16_bf16(pair, ad, desc_k_major_sw128(b_s), accumulate) };
+        // SAFETY: forwarded contract; B's 256 rows are consecutive 128-byte lines (K-major) or
+        // four consecutive slabs (MN-major), 8-row atoms 1024 bytes apart either way.
+        unsafe { intrinsics::wgmma_m64n256k16_bf16::<AMN, BMN>(pair, ad, operand_desc::<BMN>(b_s), accumulate) };
     } else {
         // SAFETY: forwarded contract.
-        unsafe { wgmma_k16_n128::<NW>(acc, a_s, b_s, accumulate) };
+        unsafe { wgmma_k16_n128::<NW, AMN, BMN>(acc, a_s, b_s, accumulate) };
     }
 }
 
@@ -382,21 +443,39 @@ pub(crate) unsafe fn wgmma_k16<const NW: usize>(acc: &mut WgAcc<NW>, a_s: SmemAd
 /// # Safety
 /// As [`wgmma_k16`].
 #[inline(always)]
-unsafe fn wgmma_k16_n128<const NW: usize>(acc: &mut WgAcc<NW>, a_s: SmemAddr, b_s: SmemAddr, accumulate: bool) {
-    let ad = desc_k_major_sw128(a_s);
+unsafe fn wgmma_k16_n128<const NW: usize, const AMN: bool, const BMN: bool>(
+    acc: &mut WgAcc<NW>,
+    a_s: SmemAddr,
+    b_s: SmemAddr,
+    accumulate: bool,
+) {
+    let ad = operand_desc::<AMN>(a_s);
     unroll!(NW, |nb| {
-        // SAFETY: forwarded contract; block `nb` of B starts 128 rows (16 KiB) further.
-        unsafe { intrinsics::wgmma_m64n128k16_bf16::<0>(&mut acc[nb], ad, desc_k_major_sw128(b_s + (nb * 128 * 128) as u32), accumulate) };
+        // SAFETY: forwarded contract; block `nb` of B starts 16 KiB further in both layouts (128
+        // lines, or two slabs).
+        unsafe {
+            intrinsics::wgmma_m64n128k16_bf16::<AMN, BMN>(&mut acc[nb], ad, operand_desc::<BMN>(b_s + (nb * 128 * 128) as u32), accumulate)
+        };
     });
 }
 
-/// [`wg_pipeline`] or, for `TMA`, [`tma_pipeline`] (after [`tma_split`] at the kernel's start).
+/// [`wg_pipeline`] or, for `TMA`, [`tma_pipeline`] (after [`tma_split`] at the kernel's start;
+/// only these read MN-major operands).
 ///
 /// # Safety
 /// As the chosen pipeline.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn run_pipeline<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const TMA: bool>(
+unsafe fn run_pipeline<
+    const BM: usize,
+    const BN: usize,
+    const ST: usize,
+    const WGM: usize,
+    const NW: usize,
+    const TMA: bool,
+    const AMN: bool,
+    const BMN: bool,
+>(
     tid: u32,
     a: Operand,
     b: Operand,
@@ -407,9 +486,11 @@ unsafe fn run_pipeline<const BM: usize, const BN: usize, const ST: usize, const 
     acc: &mut WgAcc<NW>,
     finish: impl FnMut(u32, &mut WgAcc<NW>),
 ) {
+    // The `cp.async` ring loads K-major operands only.
+    const { assert!(TMA || (!AMN && !BMN)) };
     if TMA {
         // SAFETY: forwarded contract.
-        unsafe { tma_pipeline::<BM, BN, ST, WGM, NW>(tid, n_tiles, kt, acc, finish) }
+        unsafe { tma_pipeline::<BM, BN, ST, WGM, NW, AMN, BMN>(tid, n_tiles, kt, acc, finish) }
     } else {
         // SAFETY: forwarded contract.
         unsafe { wg_pipeline::<BM, BN, ST, WGM, NW>(tid, a, b, m0, n0_first, n_tiles, kt, acc, finish) }
@@ -464,7 +545,7 @@ pub unsafe fn fwd_wg<
     let n0_first = tile_begin * BN as u32;
     if TMA {
         // SAFETY: first call, by every thread; the kernel contract provides the maps.
-        unsafe { tma_split::<BM, BN, ST, WGM>(tid, p.tmaps, m0, n0_first, n_tiles, kt) };
+        unsafe { tma_split::<BM, BN, ST, WGM, false, false>(tid, p.tmaps, m0, n0_first, n_tiles, kt) };
     }
     let w = warp_pos(tid);
 
@@ -494,7 +575,7 @@ pub unsafe fn fwd_wg<
         });
     };
     // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
-    unsafe { run_pipeline::<BM, BN, ST, WGM, NW, TMA>(tid, a, b, m0, n0_first, n_tiles, kt, &mut acc, finish) };
+    unsafe { run_pipeline::<BM, BN, ST, WGM, NW, TMA, false, false>(tid, a, b, m0, n0_first, n_tiles, kt, &mut acc, finish) };
 
     // ---- Epilogue ---------------------------------------------------------------------------
     // SAFETY: all consumer threads, ring drained behind the pipeline's last barrier; BM·16 bytes
@@ -550,7 +631,7 @@ pub unsafe fn dlogits_wg<
     let kt = p.d.div_ceil(BK as u32);
     if TMA {
         // SAFETY: first call, by every thread; the kernel contract provides the maps.
-        unsafe { tma_split::<BM, BN, ST, WGM>(tid, p.tmaps, m0, p.v_chunk_begin + n0_first, n_tiles, kt) };
+        unsafe { tma_split::<BM, BN, ST, WGM, false, false>(tid, p.tmaps, m0, p.v_chunk_begin + n0_first, n_tiles, kt) };
     }
     let w = warp_pos(tid);
     // SAFETY: buffers per the kernel contract.
@@ -569,19 +650,36 @@ pub unsafe fn dlogits_wg<
         });
     };
     // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
-    unsafe { run_pipeline::<BM, BN, ST, WGM, NW, TMA>(tid, a, b, m0, p.v_chunk_begin + n0_first, n_tiles, kt, &mut acc, finish) };
+    unsafe {
+        run_pipeline::<BM, BN, ST, WGM, NW, TMA, false, false>(tid, a, b, m0, p.v_chunk_begin + n0_first, n_tiles, kt, &mut acc, finish)
+    };
 }
 
-/// Backward GEMM `C[m, n] (+)= Σ_k A[m, k] · B[n, k]` with both operands K-major (the host
-/// transposes the staging buffer, `W` chunk and `h` as needed), on the Hopper mainloop.
+/// Backward GEMM `C[m, n] (+)= Σ_k A[m, k] · B[k, n]` on the Hopper mainloop. K-major operands
+/// (`AMN`, `BMN` false: `p.a` is `[m][a_stride]`, `p.b` is `[n][b_stride]`) are what the
+/// `cp.async` ring and the first TMA configs read: the host transposes the staging buffer, `W`
+/// chunk and `h` for them. With TMA an operand may be MN-major instead, as it is stored: `dh`'s
+/// B is the `W` chunk `[k][n]` (`BMN`), `dW`'s A the staging buffer `[k][m]` and B `h` `[k][n]`
+/// (`AMN`, `BMN`); `wgmma` reads them with its transpose bits, and no copy is made. The
+/// operands' layouts and bounds are in `p.tmaps` then (`p.a`, `p.b` unused).
 ///
 /// # Safety
 /// Launched with `WGM·128` threads (`(WGM + 1)·128` for `TMA`), grid
-/// `(ceil(m/BM), ceil(ceil(n/BN) / max(1, p.tiles_per_block)))`,
-/// the ring's dynamic shared memory (with `TMA`'s mbarriers and `p.tmaps`); `p.a` is `[m][a_stride]`, `p.b` is `[n][b_stride]`, both readable in whole 16-byte
-/// chunks up to `k` rounded up to 8 (zeros there); C buffers as for `bwd::gemm`.
+/// `(ceil(m/BM), ceil(ceil(n/BN) / max(1, p.tiles_per_block)))`, the ring's dynamic shared
+/// memory (with `TMA`'s mbarriers and `p.tmaps`, whose maps have the layouts `AMN` and `BMN`
+/// name); without TMA both operands K-major, readable in whole 16-byte chunks up to `k` rounded
+/// up to 8 (zeros there); C buffers as for `bwd::gemm`.
 #[inline(always)]
-pub unsafe fn gemm_wg<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const TMA: bool>(
+pub unsafe fn gemm_wg<
+    const BM: usize,
+    const BN: usize,
+    const ST: usize,
+    const WGM: usize,
+    const NW: usize,
+    const TMA: bool,
+    const AMN: bool,
+    const BMN: bool,
+>(
     p: &GemmParams,
 ) {
     let tid = intrinsics::thread_idx();
@@ -589,7 +687,7 @@ pub unsafe fn gemm_wg<const BM: usize, const BN: usize, const ST: usize, const W
     let kt = p.k.div_ceil(BK as u32);
     if TMA {
         // SAFETY: first call, by every thread; the kernel contract provides the maps.
-        unsafe { tma_split::<BM, BN, ST, WGM>(tid, p.tmaps, m0, n0_first, n_tiles, kt) };
+        unsafe { tma_split::<BM, BN, ST, WGM, AMN, BMN>(tid, p.tmaps, m0, n0_first, n_tiles, kt) };
     }
     let w = warp_pos(tid);
     let a = Operand { ptr: p.a as *const u16, stride: p.a_stride, mn_bound: p.m, k_bound: p.k };
@@ -606,5 +704,5 @@ pub unsafe fn gemm_wg<const BM: usize, const BN: usize, const ST: usize, const W
         });
     };
     // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
-    unsafe { run_pipeline::<BM, BN, ST, WGM, NW, TMA>(tid, a, b, m0, n0_first, n_tiles, kt, &mut acc, finish) };
+    unsafe { run_pipeline::<BM, BN, ST, WGM, NW, TMA, AMN, BMN>(tid, a, b, m0, n0_first, n_tiles, kt, &mut acc, finish) };
 }

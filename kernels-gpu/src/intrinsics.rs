@@ -455,10 +455,16 @@ pub fn fence_proxy_async_shared() {
 /// Executed by all 128 threads of a warpgroup together, between `wgmma_fence` and
 /// `wgmma_commit`; both descriptors must address loaded, 1024-byte-aligned 128B-swizzled tiles
 /// (64 rows for A, 128 for B) that nothing writes until a `wgmma_wait` covers this group; `c`
-/// must not be read before that wait. With `TRANS_B = 1` (`imm-trans-b`), B is MN-major instead:
-/// its descriptor addresses 64-column slabs of 128-byte K rows (`lmhead_core::wgmma`).
+/// must not be read before that wait. With `TRANS_B` (`imm-trans-b = 1`), B is MN-major instead:
+/// its descriptor addresses 64-column slabs of 128-byte K rows (`lmhead_core::wgmma`); likewise
+/// A with `TRANS_A` (`imm-trans-a = 1`, one 64-row slab).
 #[inline(always)]
-pub unsafe fn wgmma_m64n128k16_bf16<const TRANS_B: u32>(c: &mut [[[f32; 4]; 8]; 2], a_desc: u64, b_desc: u64, accumulate: bool) {
+pub unsafe fn wgmma_m64n128k16_bf16<const TRANS_A: bool, const TRANS_B: bool>(
+    c: &mut [[[f32; 4]; 8]; 2],
+    a_desc: u64,
+    b_desc: u64,
+    accumulate: bool,
+) {
     let scale_d: u32 = accumulate as u32;
     // SAFETY: the caller guarantees convergence, operand validity and the wait before reuse.
     unsafe {
@@ -466,7 +472,7 @@ pub unsafe fn wgmma_m64n128k16_bf16<const TRANS_B: u32>(c: &mut [[[f32; 4]; 8]; 
             "{{",
             ".reg .pred p;",
             "setp.ne.b32 p, {sd}, 0;",
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}}}, {a}, {b}, p, 1, 1, 0, {tb};",
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}}}, {a}, {b}, p, 1, 1, {ta}, {tb};",
             "}}",
             d0 = inout(reg32) c[0][0][0],
             d1 = inout(reg32) c[0][0][1],
@@ -535,7 +541,8 @@ pub unsafe fn wgmma_m64n128k16_bf16<const TRANS_B: u32>(c: &mut [[[f32; 4]; 8]; 
             a = in(reg64) a_desc,
             b = in(reg64) b_desc,
             sd = in(reg32) scale_d,
-            tb = const TRANS_B,
+            ta = const TRANS_A as u32,
+            tb = const TRANS_B as u32,
             options(nostack)
         )
     };
@@ -708,7 +715,12 @@ pub unsafe fn setmaxnreg_inc<const N: u32>() {
 /// # Safety
 /// As [`wgmma_m64n128k16_bf16`], with a 256-row B tile.
 #[inline(always)]
-pub unsafe fn wgmma_m64n256k16_bf16(c: &mut [[[[f32; 4]; 8]; 2]; 2], a_desc: u64, b_desc: u64, accumulate: bool) {
+pub unsafe fn wgmma_m64n256k16_bf16<const TRANS_A: bool, const TRANS_B: bool>(
+    c: &mut [[[[f32; 4]; 8]; 2]; 2],
+    a_desc: u64,
+    b_desc: u64,
+    accumulate: bool,
+) {
     let scale_d: u32 = accumulate as u32;
     // SAFETY: the caller guarantees convergence, operand validity and the wait before reuse.
     unsafe {
@@ -716,7 +728,7 @@ pub unsafe fn wgmma_m64n256k16_bf16(c: &mut [[[[f32; 4]; 8]; 2]; 2], a_desc: u64
             "{{",
             ".reg .pred p;",
             "setp.ne.b32 p, {sd}, 0;",
-            "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}, {d64}, {d65}, {d66}, {d67}, {d68}, {d69}, {d70}, {d71}, {d72}, {d73}, {d74}, {d75}, {d76}, {d77}, {d78}, {d79}, {d80}, {d81}, {d82}, {d83}, {d84}, {d85}, {d86}, {d87}, {d88}, {d89}, {d90}, {d91}, {d92}, {d93}, {d94}, {d95}, {d96}, {d97}, {d98}, {d99}, {d100}, {d101}, {d102}, {d103}, {d104}, {d105}, {d106}, {d107}, {d108}, {d109}, {d110}, {d111}, {d112}, {d113}, {d114}, {d115}, {d116}, {d117}, {d118}, {d119}, {d120}, {d121}, {d122}, {d123}, {d124}, {d125}, {d126}, {d127}}}, {a}, {b}, p, 1, 1, 0, 0;",
+            "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {{{d0}, {d1}, {d2}, {d3}, {d4}, {d5}, {d6}, {d7}, {d8}, {d9}, {d10}, {d11}, {d12}, {d13}, {d14}, {d15}, {d16}, {d17}, {d18}, {d19}, {d20}, {d21}, {d22}, {d23}, {d24}, {d25}, {d26}, {d27}, {d28}, {d29}, {d30}, {d31}, {d32}, {d33}, {d34}, {d35}, {d36}, {d37}, {d38}, {d39}, {d40}, {d41}, {d42}, {d43}, {d44}, {d45}, {d46}, {d47}, {d48}, {d49}, {d50}, {d51}, {d52}, {d53}, {d54}, {d55}, {d56}, {d57}, {d58}, {d59}, {d60}, {d61}, {d62}, {d63}, {d64}, {d65}, {d66}, {d67}, {d68}, {d69}, {d70}, {d71}, {d72}, {d73}, {d74}, {d75}, {d76}, {d77}, {d78}, {d79}, {d80}, {d81}, {d82}, {d83}, {d84}, {d85}, {d86}, {d87}, {d88}, {d89}, {d90}, {d91}, {d92}, {d93}, {d94}, {d95}, {d96}, {d97}, {d98}, {d99}, {d100}, {d101}, {d102}, {d103}, {d104}, {d105}, {d106}, {d107}, {d108}, {d109}, {d110}, {d111}, {d112}, {d113}, {d114}, {d115}, {d116}, {d117}, {d118}, {d119}, {d120}, {d121}, {d122}, {d123}, {d124}, {d125}, {d126}, {d127}}}, {a}, {b}, p, 1, 1, {ta}, {tb};",
             "}}",
             d0 = inout(reg32) c[0][0][0][0],
             d1 = inout(reg32) c[0][0][0][1],
@@ -849,6 +861,8 @@ pub unsafe fn wgmma_m64n256k16_bf16(c: &mut [[[[f32; 4]; 8]; 2]; 2], a_desc: u64
             a = in(reg64) a_desc,
             b = in(reg64) b_desc,
             sd = in(reg32) scale_d,
+            ta = const TRANS_A as u32,
+            tb = const TRANS_B as u32,
             options(nostack)
         )
     };

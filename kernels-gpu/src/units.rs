@@ -94,7 +94,7 @@ pub unsafe fn wgmma_tile<const NW: usize>(p: &UnitParams) {
         intrinsics::wgmma_fence();
         unroll!(4, |kk| {
             let koff = (kk * 32) as u32;
-            wgmma_k16::<NW>(&mut acc, smem + koff, smem + a_bytes + koff, kk > 0);
+            wgmma_k16::<NW, false, false>(&mut acc, smem + koff, smem + a_bytes + koff, kk > 0);
         });
         intrinsics::wgmma_commit();
         intrinsics::wgmma_wait::<0>();
@@ -140,7 +140,7 @@ pub unsafe fn wgmma_tile_mn(p: &UnitParams) {
         unroll!(4, |kk| {
             let ad = lmhead_core::wgmma::desc_k_major_sw128(smem + (kk * 32) as u32);
             let bd = lmhead_core::wgmma::desc_sw128(b_s + (kk * 2048) as u32, p.k0, p.row0);
-            intrinsics::wgmma_m64n128k16_bf16::<1>(&mut acc[0], ad, bd, kk > 0);
+            intrinsics::wgmma_m64n128k16_bf16::<false, true>(&mut acc[0], ad, bd, kk > 0);
         });
         intrinsics::wgmma_commit();
         intrinsics::wgmma_wait::<0>();

@@ -83,22 +83,33 @@ pub struct TileConfig {
     /// consumer warpgroups only issue `wgmma`s and run the epilogue.
     #[cfg_attr(feature = "std", serde(default))]
     pub tma: bool,
+    /// With `tma`, backward GEMMs only: the operands are read as they are stored, MN-major where
+    /// they are (`dh`'s `W` chunk, `dW`'s staging and `h`), by `wgmma` with its transpose bits,
+    /// instead of from K-major copies the host makes first.
+    #[cfg_attr(feature = "std", serde(default))]
+    pub mn: bool,
 }
 
 const fn tc(bm: u16, bn: u16, bk: u16, stages: u8, warps_m: u8, warps_n: u8) -> TileConfig {
-    TileConfig { bm, bn, bk, stages, warps_m, warps_n, wgmma: false, tma: false }
+    TileConfig { bm, bn, bk, stages, warps_m, warps_n, wgmma: false, tma: false, mn: false }
 }
 
 /// A `wgmma` config: `wgs` warpgroups along M (64 rows each), `bn` columns (128 or 256),
 /// 64-deep stages with the 128-byte swizzle.
 const fn wg(wgs: u8, bn: u16, stages: u8) -> TileConfig {
-    TileConfig { bm: 64 * wgs as u16, bn, bk: 64, stages, warps_m: 4 * wgs, warps_n: 1, wgmma: true, tma: false }
+    TileConfig { bm: 64 * wgs as u16, bn, bk: 64, stages, warps_m: 4 * wgs, warps_n: 1, wgmma: true, tma: false, mn: false }
 }
 
 /// A warp-specialised TMA `wgmma` config: two consumer warpgroups (128 rows) and one producer
 /// warpgroup, `bn` columns (128 or 256), `stages` 64-deep stages.
 const fn tw(bn: u16, stages: u8) -> TileConfig {
     TileConfig { tma: true, ..wg(2, bn, stages) }
+}
+
+/// A TMA backward-GEMM config that reads its operands in their stored layouts (`mn`): no
+/// transposed copies.
+const fn tm(bn: u16, stages: u8) -> TileConfig {
+    TileConfig { mn: true, ..tw(bn, stages) }
 }
 
 /// Candidates of the forward: the `mma.sync` mainloop's and the Hopper `wgmma` mainloop's.
@@ -138,8 +149,9 @@ pub const LOGITS_CANDIDATES: &[TileConfig] = &[
     tw(256, 3),
 ];
 
-/// Candidates of the backward GEMMs. The `wgmma` ones read both operands K-major: the host
-/// transposes the staging buffer, the `W` chunk and `h` for them.
+/// Candidates of the backward GEMMs. The `wgmma` ones without `mn` read both operands K-major:
+/// the host transposes the staging buffer, the `W` chunk and `h` for them; the `mn` ones read
+/// them in place.
 pub const GEMM_CANDIDATES: &[TileConfig] = &[
     tc(128, 128, 32, 4, 2, 4),
     tc(128, 256, 32, 3, 2, 4),
@@ -154,6 +166,9 @@ pub const GEMM_CANDIDATES: &[TileConfig] = &[
     tw(256, 4),
     tw(128, 6),
     tw(256, 3),
+    tm(256, 4),
+    tm(128, 6),
+    tm(256, 3),
 ];
 
 /// The shared memory an H200 block may use at most (227 KiB).
@@ -167,6 +182,13 @@ impl TileConfig {
     /// Threads per block: the MMA warps, plus the producer warpgroup of a TMA config.
     pub const fn threads(self) -> u32 {
         32 * self.warps() + if self.tma { 128 } else { 0 }
+    }
+
+    /// Whether this backward-GEMM config reads K-major copies of its operands (a `wgmma` config
+    /// that does not read them in place): the host transposes the staging buffer, `W` chunk and
+    /// `h` for it.
+    pub const fn reads_k_major_copies(self) -> bool {
+        self.wgmma && !self.mn
     }
 
     /// Rows of one warp's tile.
@@ -206,6 +228,9 @@ impl TileConfig {
     /// device asserts the same rules at compile time; this lets the host and the tests check the
     /// tables without building PTX.
     pub const fn is_well_formed(self) -> bool {
+        if self.mn && !self.tma {
+            return false;
+        }
         if self.tma {
             return self.wgmma
                 && self.bk == 64
@@ -253,9 +278,10 @@ impl TileConfig {
     #[cfg(feature = "std")]
     pub fn suffix(self, family: Family) -> std::string::String {
         let (m, n, k) = if family.lm_dims() { ("t", "v", "d") } else { ("m", "n", "k") };
-        let wg = match (self.wgmma, self.tma) {
-            (true, true) => "_tma",
-            (true, false) => "_wg",
+        let wg = match (self.wgmma, self.tma, self.mn) {
+            (true, true, true) => "_tma_mn",
+            (true, true, false) => "_tma",
+            (true, false, _) => "_wg",
             _ => "",
         };
         std::format!("{m}{}_{n}{}_{k}{}_s{}_w{}x{}{wg}", self.bm, self.bn, self.bk, self.stages, self.warps_m, self.warps_n)
@@ -344,6 +370,18 @@ mod tests {
         assert_eq!(kernel_name(Family::BwdDw, tc(64, 64, 64, 4, 2, 2)), "lm_head_bwd_dw_m64_n64_k64_s4_w2x2");
         assert_eq!(kernel_name(Family::Fwd, wg(2, 256, 4)), "lm_head_fwd_t128_v256_d64_s4_w8x1_wg");
         assert_eq!(kernel_name(Family::BwdDh, tw(256, 4)), "lm_head_bwd_dh_m128_n256_k64_s4_w8x1_tma");
+        assert_eq!(kernel_name(Family::BwdDw, tm(256, 4)), "lm_head_bwd_dw_m128_n256_k64_s4_w8x1_tma_mn");
+    }
+
+    #[test]
+    fn in_place_operands_are_a_tma_gemm_option() {
+        assert!(tm(256, 4).is_well_formed());
+        assert!(!TileConfig { mn: true, ..wg(2, 256, 4) }.is_well_formed(), "the cp.async ring loads K-major tiles only");
+        assert!(!TileConfig { mn: true, ..tc(128, 128, 32, 4, 2, 4) }.is_well_formed());
+        for f in Family::ALL {
+            let has = f.candidates().iter().any(|c| c.mn);
+            assert_eq!(has, matches!(f, Family::BwdDh | Family::BwdDw), "{f:?}: only the backward GEMMs read operands in place");
+        }
     }
 
     #[test]
