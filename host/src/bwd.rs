@@ -327,19 +327,13 @@ impl LmHead {
         } else {
             None
         };
-        let sample = |v: &[f32]| -> Vec<f64> {
-            let step = (v.len() / 4096).max(1);
-            v.iter().step_by(step).map(|&x| x as f64).collect()
-        };
         let cfg_dl = self.tuner.pick(&TuneKey::new(fam_dl, chunk_problem, tp), choice.dlogits, &mut |cfg| {
             let (st, _, _, _) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
             let ms = crate::tune::bench::time_ms(stream, || {
                 let sd = dev_out(&mut *st, stream, "tuning staging")?;
                 launch::bwd_dlogits(&self.gpu, stream, cfg, dims, sc, (0, chunk, stride), h, w, labels, lse, gl, ent, &sd)
             })?;
-            let host = stream.clone_dtoh(&*st).during(|| "reading tuning staging".into())?;
-            let f: Vec<f32> = host.iter().map(|x| x.to_f32()).collect();
-            Ok(crate::tune::Trial { ms, check: sample(&f) })
+            Ok(crate::tune::Trial { ms, check: sample_dtoh(stream, &*st, "tuning staging", |x| x.to_f64())? })
         })?;
         // The GEMM trials read the staging buffer the fallback d-logits left in scratch.
         if let Some((st, _, _, _)) = scratch.as_mut() {
@@ -355,8 +349,7 @@ impl LmHead {
                 let g = Gemms { gpu: &self.gpu, stream, p, stride, w, h, wt: Some(&wtd), st_t: None, ht: None };
                 g.dh(cfg, (0, chunk), &sd, Some(&ad), None, GemmOut { accumulate: false, write_acc: true, out_f32: true })
             })?;
-            let host = stream.clone_dtoh(&*acc).during(|| "reading tuning dh".into())?;
-            Ok(crate::tune::Trial { ms, check: sample(&host) })
+            Ok(crate::tune::Trial { ms, check: sample_dtoh(stream, &*acc, "tuning dh", f64::from)? })
         })?;
         let cfg_dw = self.tuner.pick(&TuneKey::new(Family::BwdDw, chunk_problem, tp), choice.dw, &mut |cfg| {
             let (st, _, out, (_, stt, ht)) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
@@ -374,12 +367,44 @@ impl LmHead {
                 let g = Gemms { gpu: &self.gpu, stream, p, stride, w, h, wt: None, st_t: Some(&sttd), ht: Some(&htd) };
                 g.dw(cfg, chunk, &sd, &od, GemmOut { accumulate: false, write_acc: false, out_f32: false })
             })?;
-            let host = stream.clone_dtoh(&*out).during(|| "reading tuning dW".into())?;
-            let f: Vec<f32> = host.iter().map(|x| x.to_f32()).collect();
-            Ok(crate::tune::Trial { ms, check: sample(&f) })
+            Ok(crate::tune::Trial { ms, check: sample_dtoh(stream, &*out, "tuning dW", |x| x.to_f64())? })
         })?;
         Ok((cfg_dl, cfg_dh, cfg_dw))
     }
+}
+
+/// Runs of consecutive elements [`sample_dtoh`] reads, and their length.
+const SAMPLE_RUNS: usize = 64;
+const SAMPLE_RUN: usize = 64;
+
+/// What a tuning trial's output is checked by: [`SAMPLE_RUNS`] runs of [`SAMPLE_RUN`] consecutive
+/// elements at evenly spaced offsets of `buf` (all of it when smaller), as f64. Read with that
+/// many small copies: the whole buffer is hundreds of MiB at wide chunks (the staging buffer is
+/// 512 MiB at t = 8192, S = 32768), and copying and converting it per candidate took longer
+/// than the candidate's timing.
+fn sample_dtoh<T: cudarc::driver::DeviceRepr + Copy>(
+    stream: &Arc<CudaStream>,
+    buf: &cudarc::driver::CudaSlice<T>,
+    what: &'static str,
+    to_f64: impl Fn(T) -> f64,
+) -> Result<Vec<f64>> {
+    let mut out = Vec::with_capacity(SAMPLE_RUNS * SAMPLE_RUN);
+    for run in sample_runs(buf.len()) {
+        let host = stream.clone_dtoh(&buf.slice(run)).during(|| format!("reading {what}"))?;
+        out.extend(host.into_iter().map(&to_f64));
+    }
+    Ok(out)
+}
+
+/// The element ranges [`sample_dtoh`] reads from a buffer of `n`: one range over everything
+/// when `n ≤ SAMPLE_RUNS · SAMPLE_RUN`, else [`SAMPLE_RUNS`] disjoint runs from the first
+/// element to the last.
+fn sample_runs(n: usize) -> Vec<std::ops::Range<usize>> {
+    if n <= SAMPLE_RUNS * SAMPLE_RUN {
+        return std::iter::once(0..n).collect();
+    }
+    let gap = (n - SAMPLE_RUN) / (SAMPLE_RUNS - 1);
+    (0..SAMPLE_RUNS).map(|r| r * gap..r * gap + SAMPLE_RUN).collect()
 }
 
 /// The two backward GEMMs of a chunk with any kernel kind: `mma.sync` configs and the TMA
@@ -464,6 +489,20 @@ impl Gemms<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tuning_samples_span_the_buffer_in_disjoint_runs() {
+        assert_eq!(sample_runs(10), std::iter::once(0..10).collect::<Vec<_>>());
+        assert_eq!(sample_runs(SAMPLE_RUNS * SAMPLE_RUN), std::iter::once(0..SAMPLE_RUNS * SAMPLE_RUN).collect::<Vec<_>>());
+        for n in [SAMPLE_RUNS * SAMPLE_RUN + 1, 100_000, 8192 * 32768] {
+            let runs = sample_runs(n);
+            assert_eq!(runs.len(), SAMPLE_RUNS);
+            assert_eq!(runs[0].start, 0);
+            assert!(runs.iter().all(|r| r.len() == SAMPLE_RUN && r.end <= n));
+            assert!(runs.windows(2).all(|w| w[0].end <= w[1].start), "disjoint, in order");
+            assert!(runs[SAMPLE_RUNS - 1].end + SAMPLE_RUNS > n, "the last run reaches the end: {n}");
+        }
+    }
 
     #[test]
     fn automatic_chunk_fits_the_staging_budget_within_its_bounds() {
