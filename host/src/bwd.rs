@@ -41,33 +41,15 @@ pub const MIN_AUTO_CHUNK: usize = 8192;
 /// the bench; wider was not measured).
 pub const MAX_AUTO_CHUNK: usize = 32768;
 
-/// The wide chunk width a backward of `t` tokens considers when `BwdOptions::chunk` is `None`:
-/// the widest power of two whose staging fits [`STAGING_BUDGET_BYTES`], clamped to
+/// The chunk width a backward of `t` tokens uses unless `BwdOptions::chunk` says otherwise: the
+/// widest power of two whose staging fits [`STAGING_BUDGET_BYTES`], clamped to
 /// [`MIN_AUTO_CHUNK`] ..= [`MAX_AUTO_CHUNK`] (32768 up to t = 8192, 16384 at 16384, 8192 from
 /// 32768 tokens on). Fewer, wider chunks mean fewer passes over `dh`'s f32 accumulator and
-/// larger GEMMs per launch; with autotuning the call still takes [`MIN_AUTO_CHUNK`] where its
-/// tuned kernels run faster per vocab column there ([`per_column_choice`]).
+/// larger GEMMs per launch.
 pub fn auto_chunk(t: usize) -> usize {
     let fit = STAGING_BUDGET_BYTES / (2 * t.max(1));
     let pow2 = if fit == 0 { 1 } else { 1usize << fit.ilog2() };
     pow2.clamp(MIN_AUTO_CHUNK, MAX_AUTO_CHUNK)
-}
-
-/// The chunk width of the lowest time per vocab column among `(width, kernel ms at that
-/// width)`: the sum of the three backward kernels' tuned times for one chunk, over its width. A
-/// width without a time (not tuned) loses; with no times at all, the first width.
-///
-/// Why measured rather than fixed: on the H200 the wide chunk ran fwd+bwd 4–9% faster than
-/// 8192 at d = 4096 and 8192, and 11% slower at d = 5120 (t = 8192, local v = 38016), where the
-/// tuned `dh` and `dW` kernels took 10% longer per column at 32768 than at 8192
-/// (docs/perf-notes.md).
-pub fn per_column_choice(widths: &[(usize, Option<f64>)]) -> Option<usize> {
-    let first = widths.first()?.0;
-    let best = widths
-        .iter()
-        .filter_map(|&(s, ms)| ms.filter(|m| m.is_finite() && s > 0).map(|m| (m / s as f64, s)))
-        .min_by(|a, b| a.0.total_cmp(&b.0));
-    Some(best.map_or(first, |(_, s)| s))
 }
 
 /// Inputs of a backward call.
@@ -98,10 +80,8 @@ pub struct BwdOptions {
     /// Must match the forward's.
     pub temperature: f32,
     pub ignore_index: i64,
-    /// Vocab chunk width (staging columns). `None` (the default): [`auto_chunk`] of the token
-    /// count, or [`MIN_AUTO_CHUNK`] where the autotuned kernels are faster per column there
-    /// (both widths are tuned on the first call of a bucket; with tuning off or configs not all
-    /// `Auto`, [`auto_chunk`]).
+    /// Vocab chunk width (staging columns); `None` (the default): [`auto_chunk`] of the token
+    /// count.
     pub chunk: Option<usize>,
     /// Config choices of the d-logits kernel and the two GEMMs.
     pub config: BwdConfigs,
@@ -247,16 +227,12 @@ impl LmHead {
         dw: &Out,
     ) -> Result<BwdReport> {
         let dims = Dims { t: p.t, v: p.v, d: p.d };
-        let fam_dl = if ent.is_some() { Family::BwdDlogitsEnt } else { Family::BwdDlogits };
-        let tp = sc.v_begin != 0 || reduce_dh.is_some();
-        let inputs = (h, w, labels, lse, gl, ent);
-        let chunk = match opts.chunk {
-            Some(c) => c.min(p.v),
-            None => self.tuned_chunk(stream, opts.config, p, fam_dl, sc, tp, inputs)?,
-        };
+        let chunk = opts.chunk.unwrap_or_else(|| auto_chunk(p.t)).min(p.v);
         let stride = stride_of(chunk);
         let chunks = p.v.div_ceil(chunk);
-        let (cfg_dl, cfg_dh, cfg_dw) = self.bwd_configs(stream, opts.config, p, chunk, fam_dl, sc, tp, inputs)?;
+        let fam_dl = if ent.is_some() { Family::BwdDlogitsEnt } else { Family::BwdDlogits };
+        let tp = sc.v_begin != 0 || reduce_dh.is_some();
+        let (cfg_dl, cfg_dh, cfg_dw) = self.bwd_configs(stream, opts.config, p, chunk, fam_dl, sc, tp, (h, w, labels, lse, gl, ent))?;
         let mut guard = self.ws.lock().unwrap();
         {
             let ws = &mut *guard;
@@ -315,37 +291,6 @@ impl LmHead {
         let workspace_bytes =
             guard.staging.bytes() + guard.dh_acc.bytes() + guard.staging_t.bytes() + guard.w_chunk_t.bytes() + guard.h_t.bytes();
         Ok(BwdReport { dlogits: cfg_dl, dh: cfg_dh, dw: cfg_dw, chunk, chunks, workspace_bytes })
-    }
-
-    /// The automatic chunk width: [`auto_chunk`] or [`MIN_AUTO_CHUNK`], whichever the tuned
-    /// kernels run faster per vocab column ([`per_column_choice`]; tunes both widths on the
-    /// first call of a bucket, reads the cache after). [`auto_chunk`] when the two coincide,
-    /// tuning is off or a config choice is not `Auto` (no timings to compare).
-    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
-    fn tuned_chunk(
-        &self,
-        stream: &Arc<CudaStream>,
-        choice: BwdConfigs,
-        p: Problem,
-        fam_dl: Family,
-        sc: Scalars,
-        tp: bool,
-        inputs: (&Dev, &Dev, &Labels, &Dev, Option<&Dev>, Option<(&Dev, &Dev)>),
-    ) -> Result<usize> {
-        let wide = auto_chunk(p.t).min(p.v);
-        let narrow = MIN_AUTO_CHUNK.min(p.v);
-        let all_auto = [choice.dlogits, choice.dh, choice.dw].iter().all(|&c| c == Choice::Auto);
-        if wide == narrow || !self.tuner.enabled() || !all_auto {
-            return Ok(wide);
-        }
-        let mut widths = Vec::new();
-        for s in [wide, narrow] {
-            self.bwd_configs(stream, choice, p, s, fam_dl, sc, tp, inputs)?;
-            let key = |f: Family| TuneKey::new(f, Problem::new(p.t, s, p.d), tp);
-            let ms = [fam_dl, Family::BwdDh, Family::BwdDw].iter().map(|&f| self.tuner.winner_ms(&key(f))).sum::<Option<f64>>();
-            widths.push((s, ms));
-        }
-        Ok(per_column_choice(&widths).unwrap_or(wide))
     }
 
     /// Configs of the three backward kernels. Tuning trials write only scratch buffers.
@@ -544,18 +489,6 @@ impl Gemms<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_chunk_with_the_lower_time_per_column_wins() {
-        // Wide chunk 4× the columns for 3.6× the time: wide wins; for 4.4×: narrow wins.
-        assert_eq!(per_column_choice(&[(32768, Some(9.0)), (8192, Some(2.5))]), Some(32768));
-        assert_eq!(per_column_choice(&[(32768, Some(11.0)), (8192, Some(2.5))]), Some(8192));
-        // A width that was not timed cannot win; nothing timed: the first width.
-        assert_eq!(per_column_choice(&[(32768, None), (8192, Some(2.5))]), Some(8192));
-        assert_eq!(per_column_choice(&[(32768, None), (8192, None)]), Some(32768));
-        assert_eq!(per_column_choice(&[(16384, Some(f64::NAN)), (8192, Some(1.0))]), Some(8192));
-        assert_eq!(per_column_choice(&[]), None);
-    }
 
     #[test]
     fn tuning_samples_span_the_buffer_in_disjoint_runs() {

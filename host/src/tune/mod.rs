@@ -137,16 +137,6 @@ impl Tuner {
         self.cache.lock().unwrap().get(key)
     }
 
-    /// The winner's time in the cached record of `key` (the median of its timing rounds), if
-    /// `key` was tuned.
-    pub fn winner_ms(&self, key: &TuneKey) -> Option<f64> {
-        let e = self.entry(key)?;
-        e.candidates.iter().find_map(|(c, o)| match o {
-            Outcome::Timed { ms, .. } if *c == e.winner => Some(*ms),
-            _ => None,
-        })
-    }
-
     /// Every cached record.
     pub fn entries(&self) -> BTreeMap<TuneKey, Entry> {
         self.cache.lock().unwrap().all()
