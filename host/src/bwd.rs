@@ -41,12 +41,22 @@ pub const MIN_AUTO_CHUNK: usize = 8192;
 /// the bench; wider was not measured).
 pub const MAX_AUTO_CHUNK: usize = 32768;
 
-/// The chunk width a backward of `t` tokens uses unless `BwdOptions::chunk` says otherwise: the
-/// widest power of two whose staging fits [`STAGING_BUDGET_BYTES`], clamped to
-/// [`MIN_AUTO_CHUNK`] ..= [`MAX_AUTO_CHUNK`] (32768 up to t = 8192, 16384 at 16384, 8192 from
-/// 32768 tokens on). Fewer, wider chunks mean fewer passes over `dh`'s f32 accumulator and
-/// larger GEMMs per launch.
-pub fn auto_chunk(t: usize) -> usize {
+/// The chunk width a backward of `t` tokens and hidden size `d` uses unless `BwdOptions::chunk`
+/// says otherwise. For `d` a power of two: the widest power of two whose staging fits
+/// [`STAGING_BUDGET_BYTES`], clamped to [`MIN_AUTO_CHUNK`] ..= [`MAX_AUTO_CHUNK`] (32768 up to
+/// t = 8192, 16384 at 16384, 8192 from 32768 tokens on): fewer, wider chunks mean fewer passes
+/// over `dh`'s f32 accumulator and larger GEMMs per launch. For any other `d`: 8192.
+///
+/// An empirical rule, from fwd+bwd on the H200 (docs/perf-notes.md, "The chunk width"): the wide
+/// chunk ran 4–9% faster than 8192 at d = 4096 and 8192 (several runs), but 11–15% slower at
+/// d = 5120 (t = 8192, local v = 38016: 5.25× and 5.31× a GEMM against 4.45–4.62×; t = 16384:
+/// 4.76–4.93× against 4.54–4.65×), for a reason not found yet. Choosing by the autotuner's
+/// kernel timings was tried and measured wrong (short trials run at burst clocks and favour the
+/// narrow width).
+pub fn auto_chunk(t: usize, d: usize) -> usize {
+    if !d.is_power_of_two() {
+        return MIN_AUTO_CHUNK;
+    }
     let fit = STAGING_BUDGET_BYTES / (2 * t.max(1));
     let pow2 = if fit == 0 { 1 } else { 1usize << fit.ilog2() };
     pow2.clamp(MIN_AUTO_CHUNK, MAX_AUTO_CHUNK)
@@ -81,7 +91,7 @@ pub struct BwdOptions {
     pub temperature: f32,
     pub ignore_index: i64,
     /// Vocab chunk width (staging columns); `None` (the default): [`auto_chunk`] of the token
-    /// count.
+    /// count and hidden size.
     pub chunk: Option<usize>,
     /// Config choices of the d-logits kernel and the two GEMMs.
     pub config: BwdConfigs,
@@ -227,7 +237,7 @@ impl LmHead {
         dw: &Out,
     ) -> Result<BwdReport> {
         let dims = Dims { t: p.t, v: p.v, d: p.d };
-        let chunk = opts.chunk.unwrap_or_else(|| auto_chunk(p.t)).min(p.v);
+        let chunk = opts.chunk.unwrap_or_else(|| auto_chunk(p.t, p.d)).min(p.v);
         let stride = stride_of(chunk);
         let chunks = p.v.div_ceil(chunk);
         let fam_dl = if ent.is_some() { Family::BwdDlogitsEnt } else { Family::BwdDlogits };
@@ -506,17 +516,24 @@ mod tests {
 
     #[test]
     fn automatic_chunk_fits_the_staging_budget_within_its_bounds() {
-        assert_eq!(auto_chunk(1), MAX_AUTO_CHUNK);
-        assert_eq!(auto_chunk(4096), 32768);
-        assert_eq!(auto_chunk(8192), 32768, "512 MiB of staging at t = 8192");
-        assert_eq!(auto_chunk(8193), 16384);
-        assert_eq!(auto_chunk(16384), 16384);
-        assert_eq!(auto_chunk(32768), 8192);
-        assert_eq!(auto_chunk(1 << 20), MIN_AUTO_CHUNK, "never narrower than the minimum");
+        let d = 4096;
+        assert_eq!(auto_chunk(1, d), MAX_AUTO_CHUNK);
+        assert_eq!(auto_chunk(4096, d), 32768);
+        assert_eq!(auto_chunk(8192, d), 32768, "512 MiB of staging at t = 8192");
+        assert_eq!(auto_chunk(8193, d), 16384);
+        assert_eq!(auto_chunk(16384, d), 16384);
+        assert_eq!(auto_chunk(32768, d), 8192);
+        assert_eq!(auto_chunk(1 << 20, d), MIN_AUTO_CHUNK, "never narrower than the minimum");
         for t in [1, 100, 5000, 8192, 12345, 16384, 20000] {
-            let s = auto_chunk(t);
+            let s = auto_chunk(t, d);
             assert!(s.is_power_of_two() && (MIN_AUTO_CHUNK..=MAX_AUTO_CHUNK).contains(&s));
             assert!(2 * t * s <= STAGING_BUDGET_BYTES || s == MIN_AUTO_CHUNK, "t {t}: {s}");
         }
+        // Hidden sizes other than powers of two keep the narrow chunk (measured faster at 5120).
+        for d in [5120, 3072, 1000] {
+            assert_eq!(auto_chunk(8192, d), MIN_AUTO_CHUNK, "d {d}");
+        }
+        assert_eq!(auto_chunk(8192, 2048), 32768);
+        assert_eq!(auto_chunk(8192, 8192), 32768);
     }
 }
