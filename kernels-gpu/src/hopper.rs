@@ -14,9 +14,10 @@
 //! reading the stage that iteration `j + 1` overwrites. One `wgmma` group stays in flight while
 //! the next stage is being waited for.
 //!
-//! Three kernels use the mainloop, all with K-major operands: the fused forward, the backward
-//! d-logits, and the backward GEMMs on operands the host transposed to K-major first
-//! (`merge::transpose_bf16`).
+//! Three kernels use the mainloop: the fused forward and the backward d-logits (K-major `h` and
+//! `W`), and the backward GEMMs — on K-major copies the host made with `merge::transpose_bf16`,
+//! or, with TMA, on the operands as stored (`AMN`/`BMN`: MN-major tiles loaded as 64-wide slabs
+//! and read with `wgmma`'s transpose bits; [`tma_operand`], [`wgmma_k16`]).
 //!
 //! The epilogue folds each 64-column half of a 128-column block with `fwd::fold_tile` (the
 //! accumulator layout of `m64n128k16` is the `mma.sync` m16n8 layout per 8 columns, one m16 tile

@@ -9,13 +9,13 @@
 //! bits 62–63  swizzle: 0 none, 1 128B, 2 64B, 3 32B
 //! ```
 //!
-//! The kernels keep every operand K-major with the 128-byte swizzle: a row of 64 bf16 is one
+//! Most operands are K-major with the 128-byte swizzle: a row of 64 bf16 is one
 //! 128-byte line, 16-byte chunk `c` of row `r` lives at chunk `c ^ (r % 8)`, and eight rows form a
 //! 1024-byte atom. One `k16` step reads 32 bytes of each row, so the K extent never crosses a
 //! row: the leading-dimension offset is unused (1 by convention) and the stride between 8-row
 //! atoms is 1024 bytes. Advancing to the next `k16` step adds 32 bytes to the start address.
-//! The MN-major form ([`desc_mn_major_sw128`]) is only used by a unit kernel so far: the
-//! groundwork for `wgmma` reading the backward's operands without transposed copies.
+//! The MN-major form ([`desc_mn_major_sw128`]) describes the backward GEMMs' in-place operands
+//! (the `W` chunk, the staging buffer and `h` read as stored, `imm-trans-a/b = 1`).
 
 /// A 128-byte-swizzle descriptor with explicit leading- and stride-dimension byte offsets.
 pub const fn desc_sw128(addr: u32, lbo_bytes: u32, sbo_bytes: u32) -> u64 {
