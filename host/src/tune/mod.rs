@@ -209,8 +209,8 @@ impl Tuner {
                 }
             }
         }
-        let best = times(&outcomes).into_iter().min_by(|a, b| a.1.total_cmp(&b.1)).map(|(i, ms)| (outcomes[i].0, ms));
-        let Some((winner, _)) = best else {
+        let best = times(&outcomes).into_iter().min_by(|a, b| a.1.total_cmp(&b.1)).map(|(i, _)| outcomes[i].0);
+        let Some(winner) = best else {
             return Err(Error::Config(format!("no candidate of {family:?} ran for {key:?}: {outcomes:?}")));
         };
         let entry = Entry { winner, candidates: outcomes, seconds: start.elapsed().as_secs_f64() };
