@@ -2,9 +2,9 @@
 //! 128-byte swizzle the `wgmma` descriptors assume, zero fill out of bounds) and one `wgmma`
 //! tile of each width (descriptors, instruction wrappers and the accumulator layout the
 //! epilogues assume) against an f64 product, also with B stored MN-major (`imm-trans-b`, the
-//! groundwork for reading the backward's operands without transposed copies); and the bf16 transpose the backward's `wgmma`
-//! GEMMs read (bit-exact, zero padding, nothing written past it). Outputs are poisoned before
-//! each launch.
+//! layout the backward GEMMs' in-place operands use); and the bf16 transpose the K-major
+//! `wgmma` GEMM candidates read (bit-exact, zero padding, nothing written past it). Outputs are
+//! poisoned before each launch.
 
 use lmhead::bf16;
 use lmhead::cudarc::driver::CudaSlice;

@@ -37,8 +37,8 @@ pub const STAGING_BUDGET_BYTES: usize = 512 << 20;
 /// cost more than a few percent (docs/perf-notes.md), so long sequences go over the budget
 /// rather than below this (`t · 16 KiB`: 1 GiB at t = 65536).
 pub const MIN_AUTO_CHUNK: usize = 8192;
-/// The widest automatic chunk (32768 columns: fwd+bwd 3.5–5% faster than 8192 at t = 8192 in
-/// the bench; wider was not measured).
+/// The widest automatic chunk (32768 columns: fwd+bwd 4–9% faster than 8192 at t ≤ 8192 in the
+/// bench; 65536, measured once at t = 4096, landed within the spread of the 32768 runs).
 pub const MAX_AUTO_CHUNK: usize = 32768;
 
 /// The chunk width a backward of `t` tokens and hidden size `d` uses unless `BwdOptions::chunk`
