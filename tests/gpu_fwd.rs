@@ -181,6 +181,11 @@ fn tma_cfg() -> lmhead::TileConfig {
     *Family::Fwd.candidates().iter().find(|c| c.tma).expect("a TMA candidate")
 }
 
+/// The first forward candidate whose blocks run in pairs sharing `W` tiles (clusters of two).
+fn pair_cfg() -> lmhead::TileConfig {
+    *Family::Fwd.candidates().iter().find(|c| c.pair).expect("a pair candidate")
+}
+
 /// The shape list (not the full cross product: each M, V and H value appears), with
 /// entropy on and off, both label widths, and the three mainloops (`mma.sync` fallback, `wgmma`
 /// with a `cp.async` ring, warp-specialised TMA + `wgmma`).
@@ -210,6 +215,11 @@ fn shapes() {
         c.choice = Choice::Fixed(hopper_cfg());
         cases.push(c.clone());
         c.choice = Choice::Fixed(tma_cfg());
+        cases.push(c.clone());
+        c.entropy = !c.entropy;
+        cases.push(c.clone());
+        // Pairs of blocks: odd and even token-tile counts (4097 rows: 33 tiles, one padding block).
+        c.choice = Choice::Fixed(pair_cfg());
         cases.push(c.clone());
         c.entropy = !c.entropy;
         cases.push(c);
@@ -245,6 +255,8 @@ fn structures() {
             }
             cases.push(c.clone());
             c.choice = Choice::Fixed(tma_cfg());
+            cases.push(c.clone());
+            c.choice = Choice::Fixed(pair_cfg());
             cases.push(c);
         }
     }

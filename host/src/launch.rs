@@ -147,6 +147,53 @@ where
     Ok(())
 }
 
+/// A tuned kernel of `family` at `cfg` over `grid` blocks. A `pair` config runs in clusters of
+/// two blocks along x (its kernels pair blocks `2i, 2i + 1`, which take adjacent m tiles of one
+/// n range and multicast their shared B tiles): the x extent is rounded up to even, and the extra
+/// block of an odd count computes a tile of rows past the end, which it loads as zeros and never
+/// stores.
+fn launch_tiles<T: Copy>(gpu: &Gpu, stream: &CudaStream, family: Family, cfg: TileConfig, grid: (u32, u32), p: T) -> Result<()>
+where
+    Arg<T>: DeviceRepr,
+{
+    let name = kernel_name(family, cfg);
+    let smem = cfg.smem_bytes() as u32;
+    if !cfg.pair {
+        return launch(gpu, stream, &name, smem, grid, cfg.threads(), p);
+    }
+    let grid = (grid.0.next_multiple_of(2), grid.1);
+    let f = gpu.function(&name, smem)?;
+    let mut attr = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+        pad: [0; 4],
+        value: sys::CUlaunchAttributeValue { pad: [0; 64] },
+    };
+    attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 2, y: 1, z: 1 };
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: 1,
+        blockDimX: cfg.threads(),
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: smem,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    let mut arg = Arg(p);
+    let mut params = [&mut arg as *mut Arg<T> as *mut std::ffi::c_void];
+    stream.context().bind_to_thread().during(|| format!("binding the context to launch `{name}`"))?;
+    // SAFETY: as `launch`'s (module docs): the entry takes exactly `T` by value (one parameter,
+    // whose address `params` holds for the duration of the call; the driver copies it), and the
+    // caller checked the bounds of every buffer in `p` for this grid. `config` and `attr` are
+    // live for the call; the function belongs to the stream's context, bound just above.
+    unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
+        .result()
+        .during(|| format!("launching `{name}` grid {grid:?} in clusters of 2"))?;
+    Ok(())
+}
+
 /// A bf16 operand of a TMA config: `rows` rows of `cols` contiguous elements, `stride` elements
 /// apart, loaded in boxes of 64 columns × `box_rows` rows. K-major operands have K along the
 /// columns (boxes 64 × the tile's rows); MN-major ones (`TileConfig::mn`) have K along the rows
@@ -322,11 +369,11 @@ pub fn fwd_mainloop(
         cfg,
         stream,
         TmaOperand::k_major(hp, dims.t, dims.d, dims.d, cfg.bm),
-        TmaOperand::k_major(wp, dims.v, dims.d, dims.d, cfg.bn),
+        TmaOperand::k_major(wp, dims.v, dims.d, dims.d, cfg.b_box_rows()),
     )?;
     p.tmaps = tmaps;
     let grid = (dims.t.div_ceil(cfg.bm as usize) as u32, n_splits);
-    launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
+    launch_tiles(gpu, stream, family, cfg, grid, p)?;
     drop(maps);
     Ok(n_splits)
 }
@@ -407,11 +454,11 @@ pub fn bwd_dlogits(
         cfg,
         stream,
         TmaOperand::k_major(hp, dims.t, dims.d, dims.d, cfg.bm),
-        TmaOperand::k_major(wp, chunk_begin + chunk, dims.d, dims.d, cfg.bn),
+        TmaOperand::k_major(wp, chunk_begin + chunk, dims.d, dims.d, cfg.b_box_rows()),
     )?;
     p.tmaps = tmaps;
     // Columns beyond the chunk up to a whole tile are written only below `stride`.
-    launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
+    launch_tiles(gpu, stream, family, cfg, grid, p)?;
     drop(maps);
     Ok(())
 }
@@ -519,7 +566,7 @@ fn launch_gemm(
     let plan = bwd_plan(gpu, cfg, m_tiles, n.div_ceil(cfg.bn as usize) as u32, k);
     (p.tiles_per_block, p.raster_group) = (plan.tiles_per_split, plan.raster_group);
     let grid = (m_tiles, plan.n_splits);
-    launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
+    launch_tiles(gpu, stream, family, cfg, grid, p)?;
     drop(maps);
     Ok(())
 }
@@ -553,7 +600,7 @@ pub fn bwd_gemm_kk(
         return Err(Error::Config(format!("{cfg:?} reads the operands in place: use bwd_gemm")));
     }
     let (a, b) = (a.check(m * a_stride, 16)?, b.check(n * b_stride, 16)?);
-    let maps = (TmaOperand::k_major(a, m, k, a_stride, cfg.bm), TmaOperand::k_major(b, n, k, b_stride, cfg.bn));
+    let maps = (TmaOperand::k_major(a, m, k, a_stride, cfg.bm), TmaOperand::k_major(b, n, k, b_stride, cfg.b_box_rows()));
     launch_gemm(gpu, stream, family, cfg, (m, n, k), (a, a_stride), (b, b_stride), maps, acc, out, mode)
 }
 

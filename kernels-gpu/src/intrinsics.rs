@@ -684,6 +684,97 @@ pub unsafe fn tma_load_2d(dst: SmemAddr, tmap: *const u8, c0: i32, c1: i32, mbar
     };
 }
 
+/// [`tma_load_2d`] with `.multicast::cluster`: the box lands at `dst` in the shared memory of
+/// every block of the cluster whose rank bit is set in `mask`, and each of those blocks' mbarrier
+/// at `mbar` (the same offset) gets the box's byte count completed.
+///
+/// # Safety
+/// As [`tma_load_2d`], in every destination block: `dst` free for writing there and `mbar` an
+/// initialised mbarrier there whose current phase expects these bytes; the launch has clusters
+/// containing every rank in `mask`.
+#[inline(always)]
+pub unsafe fn tma_load_2d_multicast(dst: SmemAddr, tmap: *const u8, c0: i32, c1: i32, mbar: SmemAddr, mask: u16) {
+    // SAFETY: the caller guarantees the map, the destinations and the barriers.
+    unsafe {
+        asm!(
+            "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [{d}], [{t}, {{{c0}, {c1}}}], [{b}], {m};",
+            d = in(reg32) dst, t = in(reg64) tmap, c0 = in(reg32) c0, c1 = in(reg32) c1, b = in(reg32) mbar, m = in(reg16) mask,
+            options(nostack)
+        )
+    };
+}
+
+/// This block's rank in its cluster (`%cluster_ctarank`; 0 without clusters).
+#[inline(always)]
+pub fn cluster_ctarank() -> u32 {
+    let r: u32;
+    // SAFETY: reading a special register has no preconditions.
+    unsafe { asm!("mov.u32 {r}, %cluster_ctarank;", r = out(reg32) r, options(pure, nomem, nostack)) };
+    r
+}
+
+/// `barrier.cluster.arrive.release` + `barrier.cluster.wait.acquire` (non-`.aligned`): waits
+/// until every thread of the cluster that has not exited arrived; memory operations before it
+/// (including `mbarrier.init` after [`fence_mbarrier_init`]) are visible to the cluster after it.
+///
+/// # Safety
+/// Every non-exited thread of the cluster must reach this call the same number of times.
+#[inline(always)]
+pub unsafe fn cluster_sync() {
+    // SAFETY: the caller upholds uniform arrival.
+    unsafe { asm!("barrier.cluster.arrive.release;", "barrier.cluster.wait.acquire;", options(nostack)) };
+}
+
+/// Arrive once, with release semantics at cluster scope, on the mbarrier at offset `addr` in the
+/// shared memory of the cluster's block of rank `rank` (`mapa` + `mbarrier.arrive` on the
+/// `shared::cluster` window).
+///
+/// # Safety
+/// `addr` must be an initialised mbarrier in block `rank` of this cluster, which has not exited;
+/// the arrivals of its phase must not exceed its count.
+#[inline(always)]
+pub unsafe fn mbar_arrive_cluster(addr: SmemAddr, rank: u32) {
+    // SAFETY: the caller guarantees the barrier and that its block is alive.
+    unsafe {
+        asm!(
+            "{{",
+            ".reg .b32 ra;",
+            "mapa.shared::cluster.u32 ra, {a}, {r};",
+            "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];",
+            "}}",
+            a = in(reg32) addr, r = in(reg32) rank,
+            options(nostack)
+        )
+    };
+}
+
+/// [`mbar_wait`] with acquire semantics at cluster scope, for a barrier that blocks of the
+/// cluster arrive on remotely ([`mbar_arrive_cluster`]).
+///
+/// # Safety
+/// `addr` must be an initialised mbarrier.
+#[inline(always)]
+pub unsafe fn mbar_wait_cluster(addr: SmemAddr, parity: u32) {
+    loop {
+        let done: u32;
+        // SAFETY: the caller guarantees an initialised barrier.
+        unsafe {
+            asm!(
+                "{{",
+                ".reg .pred p;",
+                "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [{a}], {ph};",
+                "selp.u32 {d}, 1, 0, p;",
+                "}}",
+                a = in(reg32) addr, ph = in(reg32) parity, d = out(reg32) done,
+                options(nostack)
+            )
+        };
+        if done != 0 {
+            return;
+        }
+    }
+}
+
 /// `setmaxnreg.dec.sync.aligned.u32 N`: this warpgroup gives registers back (producer side).
 ///
 /// # Safety
