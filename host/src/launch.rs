@@ -147,6 +147,58 @@ where
     Ok(())
 }
 
+/// Blocks of `family` at `cfg` that run at once on the device, from the driver's occupancy
+/// calculator: blocks per SM × SMs, or for a `pair` config twice the clusters of two that fit
+/// at once (clusters are placed within one GPC, so an SM whose GPC has no free partner idles).
+/// The split planners size their waves by it.
+pub(crate) fn slots(gpu: &Gpu, family: Family, cfg: TileConfig) -> Result<u32> {
+    let name = kernel_name(family, cfg);
+    let smem = cfg.smem_bytes() as u32;
+    let f = gpu.function(&name, smem)?;
+    let n = if cfg.pair {
+        let mut attr = cluster_attr();
+        let config = sys::CUlaunchConfig {
+            gridDimX: 2,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: cfg.threads(),
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: std::ptr::null_mut(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let mut clusters: std::ffi::c_int = 0;
+        gpu.context().bind_to_thread().during(|| format!("binding the context for the occupancy of `{name}`"))?;
+        // SAFETY: `config` and `attr` are live for the call, `clusters` is a valid out pointer,
+        // and the function belongs to the context bound just above.
+        unsafe { sys::cuOccupancyMaxActiveClusters(&mut clusters, f.cu_function(), &config) }
+            .result()
+            .during(|| format!("cluster occupancy of `{name}`"))?;
+        2 * clusters.max(0) as u32
+    } else {
+        f.occupancy_max_active_blocks_per_multiprocessor(cfg.threads(), cfg.smem_bytes(), None)
+            .during(|| format!("occupancy of `{name}`"))?
+            * gpu.info().sm_count
+    };
+    if n == 0 {
+        return Err(Error::Config(format!("`{name}` cannot run on this device (no block fits)")));
+    }
+    Ok(n)
+}
+
+/// The launch attribute of clusters of two blocks along x.
+fn cluster_attr() -> sys::CUlaunchAttribute {
+    let mut attr = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
+        pad: [0; 4],
+        value: sys::CUlaunchAttributeValue { pad: [0; 64] },
+    };
+    attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 2, y: 1, z: 1 };
+    attr
+}
+
 /// A tuned kernel of `family` at `cfg` over `grid` blocks. A `pair` config runs in clusters of
 /// two blocks along x (its kernels pair blocks `2i, 2i + 1`, which take adjacent m tiles of one
 /// n range and multicast their shared B tiles): the x extent is rounded up to even, and the extra
@@ -163,12 +215,7 @@ where
     }
     let grid = (grid.0.next_multiple_of(2), grid.1);
     let f = gpu.function(&name, smem)?;
-    let mut attr = sys::CUlaunchAttribute {
-        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-        pad: [0; 4],
-        value: sys::CUlaunchAttributeValue { pad: [0; 64] },
-    };
-    attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 2, y: 1, z: 1 };
+    let mut attr = cluster_attr();
     let config = sys::CUlaunchConfig {
         gridDimX: grid.0,
         gridDimY: grid.1,
@@ -385,13 +432,16 @@ pub fn fwd_mainloop(
 /// (measured on the H200 at t = 8192, d = 4096, chunks of 8192: d-logits ≈ 1.5× and `dh` ≈ 1.3×
 /// the time per FLOP of the whole-vocab cuBLAS GEMM; docs/perf-notes.md). `LMHEAD_BWD_TILES`
 /// and `LMHEAD_BWD_RASTER` override the plan ([`crate::overrides`]).
-fn bwd_plan(gpu: &Gpu, cfg: TileConfig, m_tiles: u32, n_tiles: u32, k: usize) -> split::SplitPlan {
+fn bwd_plan(gpu: &Gpu, family: Family, cfg: TileConfig, m_tiles: u32, n_tiles: u32, k: usize) -> Result<split::SplitPlan> {
     if !cfg.wgmma {
-        return split::SplitPlan { tiles_per_split: 1, n_splits: n_tiles, raster_group: 0 };
+        return Ok(split::SplitPlan { tiles_per_split: 1, n_splits: n_tiles, raster_group: 0 });
     }
     let info = gpu.info();
     let l2 = split::L2Model::of(cfg.bm.into(), k as u64, info.l2_bytes);
-    Overrides::get().bwd.apply(split::plan_l2(m_tiles, n_tiles, info.sm_count, l2), n_tiles)
+    // Pairs take an even count of m tiles (one padding tile when odd).
+    let m_tiles = if cfg.pair { m_tiles.next_multiple_of(2) } else { m_tiles };
+    let slots = slots(gpu, family, cfg)?;
+    Ok(Overrides::get().bwd.apply(split::plan_l2(m_tiles, n_tiles, slots, l2), n_tiles))
 }
 
 /// Backward d-logits of the chunk `[chunk_begin, chunk_begin + chunk)` of the local vocab into
@@ -446,7 +496,7 @@ pub fn bwd_dlogits(
     };
     sc.fill(&mut p);
     let m_tiles = dims.t.div_ceil(cfg.bm as usize) as u32;
-    let plan = bwd_plan(gpu, cfg, m_tiles, stride.div_ceil(cfg.bn as usize) as u32, dims.d);
+    let plan = bwd_plan(gpu, family, cfg, m_tiles, stride.div_ceil(cfg.bn as usize) as u32, dims.d)?;
     (p.tiles_per_split, p.raster_group) = (plan.tiles_per_split, plan.raster_group);
     let grid = (m_tiles, plan.n_splits);
     // The B map ends at the chunk: rows beyond it load as zeros, as the `cp.async` path's bound.
@@ -563,7 +613,7 @@ fn launch_gemm(
     let (maps, tmaps) = tma_maps_for(cfg, stream, a_map, b_map)?;
     p.tmaps = tmaps;
     let m_tiles = m.div_ceil(cfg.bm as usize) as u32;
-    let plan = bwd_plan(gpu, cfg, m_tiles, n.div_ceil(cfg.bn as usize) as u32, k);
+    let plan = bwd_plan(gpu, family, cfg, m_tiles, n.div_ceil(cfg.bn as usize) as u32, k)?;
     (p.tiles_per_block, p.raster_group) = (plan.tiles_per_split, plan.raster_group);
     let grid = (m_tiles, plan.n_splits);
     launch_tiles(gpu, stream, family, cfg, grid, p)?;

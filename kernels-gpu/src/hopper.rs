@@ -287,11 +287,7 @@ pub unsafe fn tma_split<
             // stage's bytes (A here, B's two halves from both producers; out-of-bounds elements
             // are zero-filled and still counted).
             unsafe {
-                if PAIR {
-                    intrinsics::mbar_wait_cluster(r.empty(s), phase ^ 1);
-                } else {
-                    intrinsics::mbar_wait(r.empty(s), phase ^ 1);
-                }
+                intrinsics::mbar_wait(r.empty(s), phase ^ 1);
                 intrinsics::mbar_arrive_expect_tx(r.full(s), r.stage_bytes);
                 tma_operand::<AMN, BM>(dst, ta, m0, k * BK as u32, r.full(s));
                 let n0 = n0_first + tile * BN as u32;

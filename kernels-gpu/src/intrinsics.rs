@@ -725,9 +725,10 @@ pub unsafe fn cluster_sync() {
     unsafe { asm!("barrier.cluster.arrive.release;", "barrier.cluster.wait.acquire;", options(nostack)) };
 }
 
-/// Arrive once, with release semantics at cluster scope, on the mbarrier at offset `addr` in the
-/// shared memory of the cluster's block of rank `rank` (`mapa` + `mbarrier.arrive` on the
-/// `shared::cluster` window).
+/// Arrive once on the mbarrier at offset `addr` in the shared memory of the cluster's block of
+/// rank `rank` (`mapa` + `mbarrier.arrive` on the `shared::cluster` window, default semantics:
+/// release at CTA scope, as CUTLASS's cluster barriers use it; what it orders here is this
+/// warpgroup's `wgmma` reads of a stage before the other block's TMA refills it).
 ///
 /// # Safety
 /// `addr` must be an initialised mbarrier in block `rank` of this cluster, which has not exited;
@@ -740,39 +741,12 @@ pub unsafe fn mbar_arrive_cluster(addr: SmemAddr, rank: u32) {
             "{{",
             ".reg .b32 ra;",
             "mapa.shared::cluster.u32 ra, {a}, {r};",
-            "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];",
+            "mbarrier.arrive.shared::cluster.b64 _, [ra];",
             "}}",
             a = in(reg32) addr, r = in(reg32) rank,
             options(nostack)
         )
     };
-}
-
-/// [`mbar_wait`] with acquire semantics at cluster scope, for a barrier that blocks of the
-/// cluster arrive on remotely ([`mbar_arrive_cluster`]).
-///
-/// # Safety
-/// `addr` must be an initialised mbarrier.
-#[inline(always)]
-pub unsafe fn mbar_wait_cluster(addr: SmemAddr, parity: u32) {
-    loop {
-        let done: u32;
-        // SAFETY: the caller guarantees an initialised barrier.
-        unsafe {
-            asm!(
-                "{{",
-                ".reg .pred p;",
-                "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [{a}], {ph};",
-                "selp.u32 {d}, 1, 0, p;",
-                "}}",
-                a = in(reg32) addr, ph = in(reg32) parity, d = out(reg32) done,
-                options(nostack)
-            )
-        };
-        if done != 0 {
-            return;
-        }
-    }
 }
 
 /// `setmaxnreg.dec.sync.aligned.u32 N`: this warpgroup gives registers back (producer side).
