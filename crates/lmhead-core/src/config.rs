@@ -140,7 +140,6 @@ pub const FWD_CANDIDATES: &[TileConfig] = &[
     tw(256, 4),
     tw(128, 6),
     tw(256, 3),
-    pair(tw(256, 4)),
     pair(tw(256, 3)),
 ];
 
@@ -160,9 +159,7 @@ pub const LOGITS_CANDIDATES: &[TileConfig] = &[
     tw(256, 4),
     tw(128, 6),
     tw(256, 3),
-    pair(tw(256, 4)),
     pair(tw(128, 6)),
-    pair(tw(256, 3)),
 ];
 
 /// Candidates of the backward GEMMs. The `wgmma` ones without `mn` read both operands K-major:
@@ -186,7 +183,6 @@ pub const GEMM_CANDIDATES: &[TileConfig] = &[
     tm(128, 6),
     tm(256, 3),
     pair(tm(256, 4)),
-    pair(tm(128, 6)),
 ];
 
 /// The shared memory an H200 block may use at most (227 KiB).
