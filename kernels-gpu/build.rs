@@ -13,16 +13,16 @@ fn main() {
             let (mi, ni) = (c.warp_m() / 16, c.warp_n() / 8);
             let generics = format!("{}, {}, {}, {}, {}, {}, {mi}, {ni}", c.bm, c.bn, c.bk, c.stages, c.warps_m, c.warps_n);
             let wg = format!("{}, {}, {}, {}, {}", c.bm, c.bn, c.stages, c.warps_m / 4, c.bn / 128);
-            let (tma, mn, pair) = (c.tma, c.mn, c.pair);
+            let (tma, mn) = (c.tma, c.mn);
             assert!(!mn || matches!(family, Family::BwdDh | Family::BwdDw), "{family:?} {c:?}: only the GEMMs read operands in place");
             let (params, call) = match family {
-                Family::Fwd if c.wgmma => ("LogitsParams", format!("hopper::fwd_wg::<{wg}, false, {tma}, {pair}>")),
-                Family::FwdEnt if c.wgmma => ("LogitsParams", format!("hopper::fwd_wg::<{wg}, true, {tma}, {pair}>")),
-                Family::BwdDlogits if c.wgmma => ("LogitsParams", format!("hopper::dlogits_wg::<{wg}, false, {tma}, {pair}>")),
-                Family::BwdDlogitsEnt if c.wgmma => ("LogitsParams", format!("hopper::dlogits_wg::<{wg}, true, {tma}, {pair}>")),
+                Family::Fwd if c.wgmma => ("LogitsParams", format!("hopper::fwd_wg::<{wg}, false, {tma}>")),
+                Family::FwdEnt if c.wgmma => ("LogitsParams", format!("hopper::fwd_wg::<{wg}, true, {tma}>")),
+                Family::BwdDlogits if c.wgmma => ("LogitsParams", format!("hopper::dlogits_wg::<{wg}, false, {tma}>")),
+                Family::BwdDlogitsEnt if c.wgmma => ("LogitsParams", format!("hopper::dlogits_wg::<{wg}, true, {tma}>")),
                 // dh: A (staging) K-major, B (`W` chunk) MN-major in place; dW: both in place.
-                Family::BwdDh if c.wgmma => ("GemmParams", format!("hopper::gemm_wg::<{wg}, {tma}, false, {mn}, {pair}>")),
-                Family::BwdDw if c.wgmma => ("GemmParams", format!("hopper::gemm_wg::<{wg}, {tma}, {mn}, {mn}, {pair}>")),
+                Family::BwdDh if c.wgmma => ("GemmParams", format!("hopper::gemm_wg::<{wg}, {tma}, false, {mn}>")),
+                Family::BwdDw if c.wgmma => ("GemmParams", format!("hopper::gemm_wg::<{wg}, {tma}, {mn}, {mn}>")),
                 Family::Fwd => ("LogitsParams", format!("fwd::fwd::<{generics}, false>")),
                 Family::FwdEnt => ("LogitsParams", format!("fwd::fwd::<{generics}, true>")),
                 Family::BwdDlogits => ("LogitsParams", format!("bwd::dlogits::<{generics}, false>")),

@@ -205,13 +205,6 @@ fn in_place_configs() -> BwdConfigs {
     BwdConfigs { dlogits: tma_configs().dlogits, dh: mn(Family::BwdDh), dw: mn(Family::BwdDw) }
 }
 
-/// The first candidates whose blocks run in pairs sharing B tiles (clusters of two, TMA
-/// multicast): d-logits and both in-place GEMMs.
-fn pair_configs() -> BwdConfigs {
-    let pair = |f: Family| Choice::Fixed(*f.candidates().iter().find(|c| c.pair).expect("a pair candidate"));
-    BwdConfigs { dlogits: pair(Family::BwdDlogits), dh: pair(Family::BwdDh), dw: pair(Family::BwdDw) }
-}
-
 /// Shapes and upstream-gradient combinations; several chunks with a tail; f32 and bf16 outputs;
 /// the large shapes on both mainloops.
 #[test]
@@ -232,8 +225,6 @@ fn shapes_and_upstreams() {
     c.config = tma_configs();
     cases.push(c.clone());
     c.config = in_place_configs();
-    cases.push(c.clone());
-    c.config = pair_configs();
     cases.push(c);
     let mut c = BwdCase::new(4097, 50257, 4096, Upstream::LogProb);
     cases.push(c.clone());
@@ -243,8 +234,6 @@ fn shapes_and_upstreams() {
     c.config = tma_configs();
     cases.push(c.clone());
     c.config = in_place_configs();
-    cases.push(c.clone());
-    c.config = pair_configs();
     cases.push(c);
     cases.push(BwdCase::new(1, 151936, 8, Upstream::Both));
     // A wide chunk (32768 columns ran fwd+bwd 3.5–5% faster in the bench at `ed589ae`): three
@@ -254,8 +243,6 @@ fn shapes_and_upstreams() {
     c.config = tma_configs();
     cases.push(c.clone());
     c.config = in_place_configs();
-    cases.push(c.clone());
-    c.config = pair_configs();
     cases.push(c);
     let mut c = BwdCase::new(64, 1000, 1000, Upstream::Entropy);
     c.chunk = Some(300);
@@ -264,8 +251,6 @@ fn shapes_and_upstreams() {
     c.config = tma_configs();
     cases.push(c.clone());
     c.config = in_place_configs();
-    cases.push(c.clone());
-    c.config = pair_configs();
     cases.push(c);
     run_all("gpu_bwd::shapes_and_upstreams", &cases);
 }

@@ -181,11 +181,6 @@ fn tma_cfg() -> lmhead::TileConfig {
     *Family::Fwd.candidates().iter().find(|c| c.tma).expect("a TMA candidate")
 }
 
-/// The first forward candidate whose blocks run in pairs sharing `W` tiles (clusters of two).
-fn pair_cfg() -> lmhead::TileConfig {
-    *Family::Fwd.candidates().iter().find(|c| c.pair).expect("a pair candidate")
-}
-
 /// The shape list (not the full cross product: each M, V and H value appears), with
 /// entropy on and off, both label widths, and the three mainloops (`mma.sync` fallback, `wgmma`
 /// with a `cp.async` ring, warp-specialised TMA + `wgmma`).
@@ -217,13 +212,7 @@ fn shapes() {
         c.choice = Choice::Fixed(tma_cfg());
         cases.push(c.clone());
         c.entropy = !c.entropy;
-        cases.push(c.clone());
-        // Pairs of blocks on every other shape: odd and even token-tile counts (4097 rows: 33
-        // tiles, one padding block), one and many vocab tiles.
-        if i % 2 == 0 {
-            c.choice = Choice::Fixed(pair_cfg());
-            cases.push(c);
-        }
+        cases.push(c);
     }
     run_all("gpu_fwd::shapes", &cases);
 }
@@ -249,13 +238,13 @@ fn structures() {
             let mut c = FwdCase::new(300, 5003, 512);
             c.s = s.clone();
             c.entropy = entropy;
-            // The log-prob-only run on the Hopper mainloop and the TMA mainloop, the entropy run
-            // on the fallback and the TMA mainloop in pairs of blocks.
+            // The log-prob-only run on the Hopper mainloop, the entropy run on the fallback, and
+            // both on the TMA mainloop.
             if !entropy {
                 c.choice = Choice::Fixed(hopper_cfg());
             }
             cases.push(c.clone());
-            c.choice = Choice::Fixed(if entropy { pair_cfg() } else { tma_cfg() });
+            c.choice = Choice::Fixed(tma_cfg());
             cases.push(c);
         }
     }

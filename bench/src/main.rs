@@ -325,15 +325,6 @@ fn main() {
         "| case | T | V | D | GEMM ms | fwd ms (x GEMM) | fwd+ent ms (x GEMM) | fwd+bwd ms (x GEMM) | fwd TFLOP/s | ws MiB | configs |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
-    // What the split planners take as a wave, per TMA candidate (stderr: pairs fit by GPC).
-    for family in lmhead::Family::ALL {
-        for &c in family.candidates().iter().filter(|c| c.tma) {
-            match head.concurrent_blocks(family, c) {
-                Ok(n) => eprintln!("concurrent blocks: {} {n}", lmhead_core::config::kernel_name(family, c)),
-                Err(e) => eprintln!("concurrent blocks: {} ({e})", lmhead_core::config::kernel_name(family, c)),
-            }
-        }
-    }
     let mut out = std::fs::OpenOptions::new().create(true).append(true).open(&args.out).ok();
     let start = Instant::now();
     for (i, c) in cases.iter().enumerate() {

@@ -80,15 +80,17 @@ impl LmHead {
         Ok(())
     }
 
-    /// Blocks of `family` at `cfg` that run at once on this device, as the split planners count
-    /// them (the driver's occupancy; for a `pair` config, twice the clusters of two that fit).
-    pub fn concurrent_blocks(&self, family: Family, cfg: TileConfig) -> Result<u32> {
-        self.slots(family, cfg)
-    }
-
-    /// Blocks of a config that run at once on the device ([`crate::launch::slots`]).
+    /// Concurrent blocks per SM of a config (from the driver's occupancy calculator).
     pub(crate) fn slots(&self, family: Family, cfg: TileConfig) -> Result<u32> {
-        crate::launch::slots(&self.gpu, family, cfg)
+        let name = lmhead_core::config::kernel_name(family, cfg);
+        let f = self.gpu.function(&name, cfg.smem_bytes() as u32)?;
+        let per_sm = f
+            .occupancy_max_active_blocks_per_multiprocessor(cfg.threads(), cfg.smem_bytes(), None)
+            .during(|| format!("occupancy of `{name}`"))?;
+        if per_sm == 0 {
+            return Err(Error::Config(format!("`{name}` cannot run on this device (0 blocks per SM)")));
+        }
+        Ok(per_sm * self.gpu.info().sm_count)
     }
 
     /// The fused forward. See [`FwdInputs`], [`FwdOutputs`], [`FwdOptions`].
@@ -198,8 +200,6 @@ impl LmHead {
     pub(crate) fn plan_split(&self, family: Family, cfg: TileConfig, p: Problem) -> Result<split::SplitPlan> {
         let slots = self.slots(family, cfg)?;
         let m_tiles = p.t.div_ceil(cfg.bm as usize) as u32;
-        // Pairs take an even count of token tiles (one padding tile when odd).
-        let m_tiles = if cfg.pair { m_tiles.next_multiple_of(2) } else { m_tiles };
         let n_tiles = p.v.div_ceil(cfg.bn as usize) as u32;
         let ov = Overrides::get();
         // The Hopper forward reads the raster order; its plan keeps resident rows of `h` in L2.

@@ -147,100 +147,6 @@ where
     Ok(())
 }
 
-/// Blocks of `family` at `cfg` that run at once on the device, from the driver's occupancy
-/// calculator: blocks per SM × SMs, or for a `pair` config twice the clusters of two that fit
-/// at once (clusters are placed within one GPC, so an SM whose GPC has no free partner idles).
-/// The split planners size their waves by it.
-pub(crate) fn slots(gpu: &Gpu, family: Family, cfg: TileConfig) -> Result<u32> {
-    let name = kernel_name(family, cfg);
-    let smem = cfg.smem_bytes() as u32;
-    let f = gpu.function(&name, smem)?;
-    let n = if cfg.pair {
-        let mut attr = cluster_attr();
-        let config = sys::CUlaunchConfig {
-            gridDimX: 2,
-            gridDimY: 1,
-            gridDimZ: 1,
-            blockDimX: cfg.threads(),
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: smem,
-            hStream: std::ptr::null_mut(),
-            attrs: &mut attr,
-            numAttrs: 1,
-        };
-        let mut clusters: std::ffi::c_int = 0;
-        gpu.context().bind_to_thread().during(|| format!("binding the context for the occupancy of `{name}`"))?;
-        // SAFETY: `config` and `attr` are live for the call, `clusters` is a valid out pointer,
-        // and the function belongs to the context bound just above.
-        unsafe { sys::cuOccupancyMaxActiveClusters(&mut clusters, f.cu_function(), &config) }
-            .result()
-            .during(|| format!("cluster occupancy of `{name}`"))?;
-        2 * clusters.max(0) as u32
-    } else {
-        f.occupancy_max_active_blocks_per_multiprocessor(cfg.threads(), cfg.smem_bytes(), None)
-            .during(|| format!("occupancy of `{name}`"))?
-            * gpu.info().sm_count
-    };
-    if n == 0 {
-        return Err(Error::Config(format!("`{name}` cannot run on this device (no block fits)")));
-    }
-    Ok(n)
-}
-
-/// The launch attribute of clusters of two blocks along x.
-fn cluster_attr() -> sys::CUlaunchAttribute {
-    let mut attr = sys::CUlaunchAttribute {
-        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-        pad: [0; 4],
-        value: sys::CUlaunchAttributeValue { pad: [0; 64] },
-    };
-    attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 2, y: 1, z: 1 };
-    attr
-}
-
-/// A tuned kernel of `family` at `cfg` over `grid` blocks. A `pair` config runs in clusters of
-/// two blocks along x (its kernels pair blocks `2i, 2i + 1`, which take adjacent m tiles of one
-/// n range and multicast their shared B tiles): the x extent is rounded up to even, and the extra
-/// block of an odd count computes a tile of rows past the end, which it loads as zeros and never
-/// stores.
-fn launch_tiles<T: Copy>(gpu: &Gpu, stream: &CudaStream, family: Family, cfg: TileConfig, grid: (u32, u32), p: T) -> Result<()>
-where
-    Arg<T>: DeviceRepr,
-{
-    let name = kernel_name(family, cfg);
-    let smem = cfg.smem_bytes() as u32;
-    if !cfg.pair {
-        return launch(gpu, stream, &name, smem, grid, cfg.threads(), p);
-    }
-    let grid = (grid.0.next_multiple_of(2), grid.1);
-    let f = gpu.function(&name, smem)?;
-    let mut attr = cluster_attr();
-    let config = sys::CUlaunchConfig {
-        gridDimX: grid.0,
-        gridDimY: grid.1,
-        gridDimZ: 1,
-        blockDimX: cfg.threads(),
-        blockDimY: 1,
-        blockDimZ: 1,
-        sharedMemBytes: smem,
-        hStream: stream.cu_stream(),
-        attrs: &mut attr,
-        numAttrs: 1,
-    };
-    let mut arg = Arg(p);
-    let mut params = [&mut arg as *mut Arg<T> as *mut std::ffi::c_void];
-    stream.context().bind_to_thread().during(|| format!("binding the context to launch `{name}`"))?;
-    // SAFETY: as `launch`'s (module docs): the entry takes exactly `T` by value (one parameter,
-    // whose address `params` holds for the duration of the call; the driver copies it), and the
-    // caller checked the bounds of every buffer in `p` for this grid. `config` and `attr` are
-    // live for the call; the function belongs to the stream's context, bound just above.
-    unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }
-        .result()
-        .during(|| format!("launching `{name}` grid {grid:?} in clusters of 2"))?;
-    Ok(())
-}
-
 /// A bf16 operand of a TMA config: `rows` rows of `cols` contiguous elements, `stride` elements
 /// apart, loaded in boxes of 64 columns × `box_rows` rows. K-major operands have K along the
 /// columns (boxes 64 × the tile's rows); MN-major ones (`TileConfig::mn`) have K along the rows
@@ -416,11 +322,11 @@ pub fn fwd_mainloop(
         cfg,
         stream,
         TmaOperand::k_major(hp, dims.t, dims.d, dims.d, cfg.bm),
-        TmaOperand::k_major(wp, dims.v, dims.d, dims.d, cfg.b_box_rows()),
+        TmaOperand::k_major(wp, dims.v, dims.d, dims.d, cfg.bn),
     )?;
     p.tmaps = tmaps;
     let grid = (dims.t.div_ceil(cfg.bm as usize) as u32, n_splits);
-    launch_tiles(gpu, stream, family, cfg, grid, p)?;
+    launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
     drop(maps);
     Ok(n_splits)
 }
@@ -432,16 +338,13 @@ pub fn fwd_mainloop(
 /// (measured on the H200 at t = 8192, d = 4096, chunks of 8192: d-logits ≈ 1.5× and `dh` ≈ 1.3×
 /// the time per FLOP of the whole-vocab cuBLAS GEMM; docs/perf-notes.md). `LMHEAD_BWD_TILES`
 /// and `LMHEAD_BWD_RASTER` override the plan ([`crate::overrides`]).
-fn bwd_plan(gpu: &Gpu, family: Family, cfg: TileConfig, m_tiles: u32, n_tiles: u32, k: usize) -> Result<split::SplitPlan> {
+fn bwd_plan(gpu: &Gpu, cfg: TileConfig, m_tiles: u32, n_tiles: u32, k: usize) -> split::SplitPlan {
     if !cfg.wgmma {
-        return Ok(split::SplitPlan { tiles_per_split: 1, n_splits: n_tiles, raster_group: 0 });
+        return split::SplitPlan { tiles_per_split: 1, n_splits: n_tiles, raster_group: 0 };
     }
     let info = gpu.info();
     let l2 = split::L2Model::of(cfg.bm.into(), k as u64, info.l2_bytes);
-    // Pairs take an even count of m tiles (one padding tile when odd).
-    let m_tiles = if cfg.pair { m_tiles.next_multiple_of(2) } else { m_tiles };
-    let slots = slots(gpu, family, cfg)?;
-    Ok(Overrides::get().bwd.apply(split::plan_l2(m_tiles, n_tiles, slots, l2), n_tiles))
+    Overrides::get().bwd.apply(split::plan_l2(m_tiles, n_tiles, info.sm_count, l2), n_tiles)
 }
 
 /// Backward d-logits of the chunk `[chunk_begin, chunk_begin + chunk)` of the local vocab into
@@ -496,7 +399,7 @@ pub fn bwd_dlogits(
     };
     sc.fill(&mut p);
     let m_tiles = dims.t.div_ceil(cfg.bm as usize) as u32;
-    let plan = bwd_plan(gpu, family, cfg, m_tiles, stride.div_ceil(cfg.bn as usize) as u32, dims.d)?;
+    let plan = bwd_plan(gpu, cfg, m_tiles, stride.div_ceil(cfg.bn as usize) as u32, dims.d);
     (p.tiles_per_split, p.raster_group) = (plan.tiles_per_split, plan.raster_group);
     let grid = (m_tiles, plan.n_splits);
     // The B map ends at the chunk: rows beyond it load as zeros, as the `cp.async` path's bound.
@@ -504,11 +407,11 @@ pub fn bwd_dlogits(
         cfg,
         stream,
         TmaOperand::k_major(hp, dims.t, dims.d, dims.d, cfg.bm),
-        TmaOperand::k_major(wp, chunk_begin + chunk, dims.d, dims.d, cfg.b_box_rows()),
+        TmaOperand::k_major(wp, chunk_begin + chunk, dims.d, dims.d, cfg.bn),
     )?;
     p.tmaps = tmaps;
     // Columns beyond the chunk up to a whole tile are written only below `stride`.
-    launch_tiles(gpu, stream, family, cfg, grid, p)?;
+    launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
     drop(maps);
     Ok(())
 }
@@ -613,10 +516,10 @@ fn launch_gemm(
     let (maps, tmaps) = tma_maps_for(cfg, stream, a_map, b_map)?;
     p.tmaps = tmaps;
     let m_tiles = m.div_ceil(cfg.bm as usize) as u32;
-    let plan = bwd_plan(gpu, family, cfg, m_tiles, n.div_ceil(cfg.bn as usize) as u32, k)?;
+    let plan = bwd_plan(gpu, cfg, m_tiles, n.div_ceil(cfg.bn as usize) as u32, k);
     (p.tiles_per_block, p.raster_group) = (plan.tiles_per_split, plan.raster_group);
     let grid = (m_tiles, plan.n_splits);
-    launch_tiles(gpu, stream, family, cfg, grid, p)?;
+    launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
     drop(maps);
     Ok(())
 }
@@ -650,7 +553,7 @@ pub fn bwd_gemm_kk(
         return Err(Error::Config(format!("{cfg:?} reads the operands in place: use bwd_gemm")));
     }
     let (a, b) = (a.check(m * a_stride, 16)?, b.check(n * b_stride, 16)?);
-    let maps = (TmaOperand::k_major(a, m, k, a_stride, cfg.bm), TmaOperand::k_major(b, n, k, b_stride, cfg.b_box_rows()));
+    let maps = (TmaOperand::k_major(a, m, k, a_stride, cfg.bm), TmaOperand::k_major(b, n, k, b_stride, cfg.bn));
     launch_gemm(gpu, stream, family, cfg, (m, n, k), (a, a_stride), (b, b_stride), maps, acc, out, mode)
 }
 

@@ -2,9 +2,8 @@
 //! first forward or backward call): `LMHEAD_FWD_L2=0` (forward plan without the L2 model),
 //! `LMHEAD_FWD_SPLITS` / `LMHEAD_FWD_RASTER` (forward split count / raster group of token
 //! tiles), `LMHEAD_BWD_TILES` / `LMHEAD_BWD_RASTER` (n tiles per block / raster group of the
-//! Hopper backward kernels), `LMHEAD_PAIR=0` (the tuner skips the candidates that run blocks in
-//! pairs, to measure them against the rest). A value that does not parse is reported once on
-//! stderr and ignored.
+//! Hopper backward kernels). A value that does not parse is reported once on stderr and
+//! ignored.
 
 use std::sync::OnceLock;
 
@@ -15,8 +14,6 @@ use lmhead_core::split::PlanOverride;
 pub(crate) struct Overrides {
     /// `LMHEAD_FWD_L2=0`: the forward's plain makespan plan.
     pub fwd_l2_off: bool,
-    /// `LMHEAD_PAIR=0`: no `pair` candidates in tuning.
-    pub pair_off: bool,
     pub fwd: PlanOverride,
     pub bwd: PlanOverride,
 }
@@ -44,8 +41,7 @@ impl Overrides {
         let fwd = PlanOverride { splits: num("LMHEAD_FWD_SPLITS"), tiles: None, raster: num("LMHEAD_FWD_RASTER") };
         let bwd = PlanOverride { splits: None, tiles: num("LMHEAD_BWD_TILES"), raster: num("LMHEAD_BWD_RASTER") };
         let fwd_l2_off = lookup("LMHEAD_FWD_L2").is_some_and(|v| v.trim() == "0");
-        let pair_off = lookup("LMHEAD_PAIR").is_some_and(|v| v.trim() == "0");
-        (Overrides { fwd_l2_off, pair_off, fwd, bwd }, bad)
+        (Overrides { fwd_l2_off, fwd, bwd }, bad)
     }
 }
 
@@ -70,11 +66,9 @@ mod tests {
             ("LMHEAD_FWD_RASTER", " 16 "),
             ("LMHEAD_BWD_TILES", "3"),
             ("LMHEAD_BWD_RASTER", "0"),
-            ("LMHEAD_PAIR", "0"),
         ]);
         assert!(bad.is_empty());
         assert!(o.fwd_l2_off);
-        assert!(o.pair_off);
         assert_eq!(o.fwd, PlanOverride { splits: Some(8), tiles: None, raster: Some(16) });
         assert_eq!(o.bwd, PlanOverride { splits: None, tiles: Some(3), raster: Some(0) });
     }

@@ -207,15 +207,7 @@ impl TmaRing {
 /// 128-byte swizzle: a K-major operand's map has 64 (K) × BM (or BN) boxes over `[rows][K]`, an
 /// MN-major one's 64 (MN) × 64 (K) boxes over `[K][MN]`.
 #[inline(always)]
-pub unsafe fn tma_split<
-    const BM: usize,
-    const BN: usize,
-    const ST: usize,
-    const WGM: usize,
-    const AMN: bool,
-    const BMN: bool,
-    const PAIR: bool,
->(
+pub unsafe fn tma_split<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const AMN: bool, const BMN: bool>(
     tid: u32,
     tmaps: u64,
     m0: u32,
@@ -232,21 +224,13 @@ pub unsafe fn tma_split<
             // barrier below.
             unsafe {
                 intrinsics::mbar_init(r.full(s), 1);
-                intrinsics::mbar_init(r.empty(s), WGM as u32 * if PAIR { 2 } else { 1 });
+                intrinsics::mbar_init(r.empty(s), WGM as u32);
             }
         }
         intrinsics::fence_mbarrier_init();
     }
-    // SAFETY: every thread of the block (of both blocks of a pair) calls this function once,
-    // before any other barrier. A pair's barriers must be initialised in both blocks before
-    // either producer multicasts into the other.
-    unsafe {
-        if PAIR {
-            intrinsics::cluster_sync();
-        } else {
-            intrinsics::sync_threads_divergent();
-        }
-    }
+    // SAFETY: every thread of the block calls this function once, before any other barrier.
+    unsafe { intrinsics::sync_threads_divergent() };
     let consumers = (WGM * 128) as u32;
     if tid < consumers {
         const R1: u32 = consumer_regs(1);
@@ -275,27 +259,19 @@ pub unsafe fn tma_split<
             intrinsics::prefetch_tensormap(tb);
         }
         let (mut s, mut phase, mut tile, mut k) = (0u32, 0u32, 0u32, 0u32);
-        let rank = if PAIR { intrinsics::cluster_ctarank() } else { 0 };
         let total = n_tiles * kt;
         let mut i = 0u32;
         while i < total {
             let dst = r.stage(s);
             // SAFETY: initialised barriers; the wait on `empty[s]` (parity of the previous round,
             // immediate in round 0) orders these TMA writes after every consumer's last read of
-            // the stage — with `PAIR` the consumers of both blocks, since this block's half of B
-            // lands in both; the stage is 1024-byte aligned; `full[s]` expects exactly the
-            // stage's bytes (A here, B's two halves from both producers; out-of-bounds elements
-            // are zero-filled and still counted).
+            // the stage; the stage is 1024-byte aligned; `full[s]` expects exactly the two boxes'
+            // bytes (out-of-bounds elements are zero-filled and still counted).
             unsafe {
                 intrinsics::mbar_wait(r.empty(s), phase ^ 1);
                 intrinsics::mbar_arrive_expect_tx(r.full(s), r.stage_bytes);
                 tma_operand::<AMN, BM>(dst, ta, m0, k * BK as u32, r.full(s));
-                let n0 = n0_first + tile * BN as u32;
-                if PAIR {
-                    tma_operand_half::<BMN, BN>(dst + r.a_bytes, tb, n0, k * BK as u32, r.full(s), rank);
-                } else {
-                    tma_operand::<BMN, BN>(dst + r.a_bytes, tb, n0, k * BK as u32, r.full(s));
-                }
+                tma_operand::<BMN, BN>(dst + r.a_bytes, tb, n0_first + tile * BN as u32, k * BK as u32, r.full(s));
             }
             k += 1;
             if k == kt {
@@ -359,31 +335,6 @@ unsafe fn tma_operand<const MN: bool, const ROWS: usize>(dst: SmemAddr, map: *co
     }
 }
 
-/// This block's half of a B stage tile shared by a pair ([`tma_split`] with `PAIR`): rows
-/// `rank·ROWS/2 ..` of the tile, multicast into both blocks at the same offsets. K-major: one box
-/// of 64 × `ROWS/2` rows (the host's map has half-height boxes); MN-major: slabs
-/// `rank·ROWS/128 ..` of 64 × 64. Either way `ROWS · 64` bytes land in each block.
-///
-/// # Safety
-/// As [`tma_operand`], in both blocks of the pair: `dst` free there and `bar` expecting the
-/// bytes there; the launch has clusters of two.
-#[inline(always)]
-unsafe fn tma_operand_half<const MN: bool, const ROWS: usize>(dst: SmemAddr, map: *const u8, row0: u32, k0: u32, bar: SmemAddr, rank: u32) {
-    const { assert!(ROWS % 128 == 0) };
-    let half = (ROWS / 2) as u32;
-    if MN {
-        unroll!(ROWS / 128, |i| {
-            let slab = rank * (ROWS / 128) as u32 + i as u32;
-            // SAFETY: forwarded contract; slab `slab` is the slab-th 8 KiB of the region.
-            unsafe { intrinsics::tma_load_2d_multicast(dst + slab * SLAB_BYTES, map, (row0 + 64 * slab) as i32, k0 as i32, bar, 0b11) };
-        });
-    } else {
-        // SAFETY: forwarded contract; the half's rows are the second `half · 128` bytes for rank 1
-        // (K-major rows are consecutive 128-byte lines, the swizzle repeats every 8 rows).
-        unsafe { intrinsics::tma_load_2d_multicast(dst + rank * half * 128, map, k0 as i32, (row0 + rank * half) as i32, bar, 0b11) };
-    }
-}
-
 /// The consumer side of a TMA kernel: the same contract as [`wg_pipeline`], fed by the producer
 /// of [`tma_split`] through the mbarrier ring instead of block-wide `cp.async` rounds. Per stage:
 /// wait for `full[s]`, issue the `wgmma`s, commit, `wgmma.wait_group 1` (the previous stage's
@@ -404,7 +355,6 @@ pub unsafe fn tma_pipeline<
     const NW: usize,
     const AMN: bool,
     const BMN: bool,
-    const PAIR: bool,
 >(
     tid: u32,
     n_tiles: u32,
@@ -415,21 +365,6 @@ pub unsafe fn tma_pipeline<
     let r = TmaRing::new::<BM, BN, ST>();
     let wg_row0 = 64 * (tid >> 7);
     let leader = tid & 127 == 0;
-    let peer = intrinsics::cluster_ctarank() ^ 1;
-    // The stage is free in this block and, with `PAIR`, as far as this warpgroup is concerned
-    // in the other one too (its producer multicasts there).
-    let release = #[inline(always)]
-    |s: u32| {
-        // SAFETY: `empty[s]` is initialised in both blocks (the start's cluster barrier), and
-        // the peer has not exited: it waits at the cluster barrier at the end of this function
-        // until this block arrives there, after its last release.
-        unsafe {
-            intrinsics::mbar_arrive(r.empty(s));
-            if PAIR {
-                intrinsics::mbar_arrive_cluster(r.empty(s), peer);
-            }
-        }
-    };
     let (mut s, mut phase) = (0u32, 0u32);
     let mut tile = 0u32;
     while tile < n_tiles {
@@ -451,9 +386,9 @@ pub unsafe fn tma_pipeline<
                 });
                 intrinsics::wgmma_commit();
                 intrinsics::wgmma_wait::<1>();
-            }
-            if k > 0 && leader {
-                release(prev);
+                if k > 0 && leader {
+                    intrinsics::mbar_arrive(r.empty(prev));
+                }
             }
             prev = s;
             s += 1;
@@ -465,22 +400,17 @@ pub unsafe fn tma_pipeline<
         }
         // SAFETY: the warpgroup is converged; all of this tile's groups retire here, so the last
         // stage is free.
-        unsafe { intrinsics::wgmma_wait::<0>() };
-        if leader {
-            release(prev);
+        unsafe {
+            intrinsics::wgmma_wait::<0>();
+            if leader {
+                intrinsics::mbar_arrive(r.empty(prev));
+            }
         }
         finish(tile, acc);
         tile += 1;
     }
-    // SAFETY: exactly the WGM·128 consumer threads reach this once; with `PAIR` so do the other
-    // block's (the producers have exited), so neither block exits while the other may still
-    // arrive on its barriers.
-    unsafe {
-        intrinsics::named_barrier::<1>((WGM * 128) as u32);
-        if PAIR {
-            intrinsics::cluster_sync();
-        }
-    }
+    // SAFETY: exactly the WGM·128 consumer threads reach this once.
+    unsafe { intrinsics::named_barrier::<1>((WGM * 128) as u32) };
 }
 
 /// One k16 step of the warpgroup's `64 × 128·NW` tile: a single `m64n256k16` for two column
@@ -547,7 +477,6 @@ unsafe fn run_pipeline<
     const TMA: bool,
     const AMN: bool,
     const BMN: bool,
-    const PAIR: bool,
 >(
     tid: u32,
     a: Operand,
@@ -559,11 +488,11 @@ unsafe fn run_pipeline<
     acc: &mut WgAcc<NW>,
     finish: impl FnMut(u32, &mut WgAcc<NW>),
 ) {
-    // The `cp.async` ring loads K-major operands only, one block at a time.
-    const { assert!(TMA || (!AMN && !BMN && !PAIR)) };
+    // The `cp.async` ring loads K-major operands only.
+    const { assert!(TMA || (!AMN && !BMN)) };
     if TMA {
         // SAFETY: forwarded contract.
-        unsafe { tma_pipeline::<BM, BN, ST, WGM, NW, AMN, BMN, PAIR>(tid, n_tiles, kt, acc, finish) }
+        unsafe { tma_pipeline::<BM, BN, ST, WGM, NW, AMN, BMN>(tid, n_tiles, kt, acc, finish) }
     } else {
         // SAFETY: forwarded contract.
         unsafe { wg_pipeline::<BM, BN, ST, WGM, NW>(tid, a, b, m0, n0_first, n_tiles, kt, acc, finish) }
@@ -599,12 +528,17 @@ pub unsafe fn fwd_wg<
     const NW: usize,
     const ENT: bool,
     const TMA: bool,
-    const PAIR: bool,
 >(
     p: &LogitsParams,
 ) {
     let tid = intrinsics::thread_idx();
-    let (m_tile, split) = grid_tile::<PAIR>(p.raster_group);
+    let (m_tile, split) = lmhead_core::split::raster(
+        intrinsics::block_idx_x(),
+        intrinsics::block_idx_y(),
+        intrinsics::grid_dim_x(),
+        intrinsics::grid_dim_y(),
+        p.raster_group,
+    );
     let m0 = m_tile * BM as u32;
     let v_tiles = p.v.div_ceil(BN as u32);
     let tile_begin = split * p.tiles_per_split;
@@ -613,7 +547,7 @@ pub unsafe fn fwd_wg<
     let n0_first = tile_begin * BN as u32;
     if TMA {
         // SAFETY: first call, by every thread; the kernel contract provides the maps.
-        unsafe { tma_split::<BM, BN, ST, WGM, false, false, PAIR>(tid, p.tmaps, m0, n0_first, n_tiles, kt) };
+        unsafe { tma_split::<BM, BN, ST, WGM, false, false>(tid, p.tmaps, m0, n0_first, n_tiles, kt) };
     }
     let w = warp_pos(tid);
 
@@ -643,27 +577,12 @@ pub unsafe fn fwd_wg<
         });
     };
     // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
-    unsafe { run_pipeline::<BM, BN, ST, WGM, NW, TMA, false, false, PAIR>(tid, a, b, m0, n0_first, n_tiles, kt, &mut acc, finish) };
+    unsafe { run_pipeline::<BM, BN, ST, WGM, NW, TMA, false, false>(tid, a, b, m0, n0_first, n_tiles, kt, &mut acc, finish) };
 
     // ---- Epilogue ---------------------------------------------------------------------------
     // SAFETY: all consumer threads, ring drained behind the pipeline's last barrier; BM·16 bytes
     // fit.
     unsafe { store_partials::<BM, 1, 1, ENT>(p, &w, &mut st, &mut z_label, m0, split, intrinsics::smem_base(), (WGM * 128) as u32) };
-}
-
-/// This block's `(m tile, n group)` in [`lmhead_core::split::raster`] order with groups of
-/// `group` m tiles. With `PAIR` the grid's x extent is even and the blocks `2i, 2i + 1` of a row
-/// form a cluster: the raster walks pairs (groups of `⌈group / 2⌉`), and the two blocks of a
-/// pair take adjacent m tiles of the same n group, so that they share B tiles.
-#[inline(always)]
-fn grid_tile<const PAIR: bool>(group: u32) -> (u32, u32) {
-    let (x, y, gx, gy) = (intrinsics::block_idx_x(), intrinsics::block_idx_y(), intrinsics::grid_dim_x(), intrinsics::grid_dim_y());
-    if PAIR {
-        let (pm, ng) = lmhead_core::split::raster(x >> 1, y, gx >> 1, gy, group.div_ceil(2));
-        (2 * pm + (x & 1), ng)
-    } else {
-        lmhead_core::split::raster(x, y, gx, gy, group)
-    }
 }
 
 /// This block's output tiles in a grid of `(m tiles, n groups)` blocks, taken in
@@ -673,8 +592,14 @@ fn grid_tile<const PAIR: bool>(group: u32) -> (u32, u32) {
 /// and its epilogues overlap the producer's loads; the raster keeps the rows resident blocks
 /// read together within L2 (`split::plan_l2`, which also picks `per`).
 #[inline(always)]
-fn block_tiles<const BM: usize, const BN: usize, const PAIR: bool>(group: u32, per: u32, n_total: u32) -> (u32, u32, u32) {
-    let (mt, ng) = grid_tile::<PAIR>(group);
+fn block_tiles<const BM: usize, const BN: usize>(group: u32, per: u32, n_total: u32) -> (u32, u32, u32) {
+    let (mt, ng) = lmhead_core::split::raster(
+        intrinsics::block_idx_x(),
+        intrinsics::block_idx_y(),
+        intrinsics::grid_dim_x(),
+        intrinsics::grid_dim_y(),
+        group,
+    );
     let per = if per == 0 { 1 } else { per };
     let first = ng * per;
     // The host launches `ceil(n_total / per)` groups, so `first < n_total`; saturate anyway.
@@ -699,17 +624,16 @@ pub unsafe fn dlogits_wg<
     const NW: usize,
     const ENT: bool,
     const TMA: bool,
-    const PAIR: bool,
 >(
     p: &LogitsParams,
 ) {
     let tid = intrinsics::thread_idx();
     let n_total = (p.staging_stride as u32).div_ceil(BN as u32);
-    let (m0, n0_first, n_tiles) = block_tiles::<BM, BN, PAIR>(p.raster_group, p.tiles_per_split, n_total);
+    let (m0, n0_first, n_tiles) = block_tiles::<BM, BN>(p.raster_group, p.tiles_per_split, n_total);
     let kt = p.d.div_ceil(BK as u32);
     if TMA {
         // SAFETY: first call, by every thread; the kernel contract provides the maps.
-        unsafe { tma_split::<BM, BN, ST, WGM, false, false, PAIR>(tid, p.tmaps, m0, p.v_chunk_begin + n0_first, n_tiles, kt) };
+        unsafe { tma_split::<BM, BN, ST, WGM, false, false>(tid, p.tmaps, m0, p.v_chunk_begin + n0_first, n_tiles, kt) };
     }
     let w = warp_pos(tid);
     // SAFETY: buffers per the kernel contract.
@@ -729,7 +653,7 @@ pub unsafe fn dlogits_wg<
     };
     // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
     unsafe {
-        run_pipeline::<BM, BN, ST, WGM, NW, TMA, false, false, PAIR>(tid, a, b, m0, p.v_chunk_begin + n0_first, n_tiles, kt, &mut acc, finish)
+        run_pipeline::<BM, BN, ST, WGM, NW, TMA, false, false>(tid, a, b, m0, p.v_chunk_begin + n0_first, n_tiles, kt, &mut acc, finish)
     };
 }
 
@@ -757,16 +681,15 @@ pub unsafe fn gemm_wg<
     const TMA: bool,
     const AMN: bool,
     const BMN: bool,
-    const PAIR: bool,
 >(
     p: &GemmParams,
 ) {
     let tid = intrinsics::thread_idx();
-    let (m0, n0_first, n_tiles) = block_tiles::<BM, BN, PAIR>(p.raster_group, p.tiles_per_block, p.n.div_ceil(BN as u32));
+    let (m0, n0_first, n_tiles) = block_tiles::<BM, BN>(p.raster_group, p.tiles_per_block, p.n.div_ceil(BN as u32));
     let kt = p.k.div_ceil(BK as u32);
     if TMA {
         // SAFETY: first call, by every thread; the kernel contract provides the maps.
-        unsafe { tma_split::<BM, BN, ST, WGM, AMN, BMN, PAIR>(tid, p.tmaps, m0, n0_first, n_tiles, kt) };
+        unsafe { tma_split::<BM, BN, ST, WGM, AMN, BMN>(tid, p.tmaps, m0, n0_first, n_tiles, kt) };
     }
     let w = warp_pos(tid);
     let a = Operand { ptr: p.a as *const u16, stride: p.a_stride, mn_bound: p.m, k_bound: p.k };
@@ -783,5 +706,5 @@ pub unsafe fn gemm_wg<
         });
     };
     // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
-    unsafe { run_pipeline::<BM, BN, ST, WGM, NW, TMA, AMN, BMN, PAIR>(tid, a, b, m0, n0_first, n_tiles, kt, &mut acc, finish) };
+    unsafe { run_pipeline::<BM, BN, ST, WGM, NW, TMA, AMN, BMN>(tid, a, b, m0, n0_first, n_tiles, kt, &mut acc, finish) };
 }

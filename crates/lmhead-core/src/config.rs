@@ -88,22 +88,16 @@ pub struct TileConfig {
     /// instead of from K-major copies the host makes first.
     #[cfg_attr(feature = "std", serde(default))]
     pub mn: bool,
-    /// With `tma`: blocks run in clusters of two along M (adjacent token tiles for the logits
-    /// kernels) that share their B tiles (`W` rows, or `h` for `dW`): each block's producer loads
-    /// half of the stage's B tile and the tensor memory accelerator multicasts it into both
-    /// blocks' shared memory, so B is read from L2 once per pair.
-    #[cfg_attr(feature = "std", serde(default))]
-    pub pair: bool,
 }
 
 const fn tc(bm: u16, bn: u16, bk: u16, stages: u8, warps_m: u8, warps_n: u8) -> TileConfig {
-    TileConfig { bm, bn, bk, stages, warps_m, warps_n, wgmma: false, tma: false, mn: false, pair: false }
+    TileConfig { bm, bn, bk, stages, warps_m, warps_n, wgmma: false, tma: false, mn: false }
 }
 
 /// A `wgmma` config: `wgs` warpgroups along M (64 rows each), `bn` columns (128 or 256),
 /// 64-deep stages with the 128-byte swizzle.
 const fn wg(wgs: u8, bn: u16, stages: u8) -> TileConfig {
-    TileConfig { bm: 64 * wgs as u16, bn, bk: 64, stages, warps_m: 4 * wgs, warps_n: 1, wgmma: true, tma: false, mn: false, pair: false }
+    TileConfig { bm: 64 * wgs as u16, bn, bk: 64, stages, warps_m: 4 * wgs, warps_n: 1, wgmma: true, tma: false, mn: false }
 }
 
 /// A warp-specialised TMA `wgmma` config: two consumer warpgroups (128 rows) and one producer
@@ -116,11 +110,6 @@ const fn tw(bn: u16, stages: u8) -> TileConfig {
 /// transposed copies.
 const fn tm(bn: u16, stages: u8) -> TileConfig {
     TileConfig { mn: true, ..tw(bn, stages) }
-}
-
-/// A TMA config whose blocks run in pairs sharing (multicasting) their B tiles.
-const fn pair(c: TileConfig) -> TileConfig {
-    TileConfig { pair: true, ..c }
 }
 
 /// Candidates of the forward: the `mma.sync` mainloop's and the Hopper `wgmma` mainloop's.
@@ -140,7 +129,6 @@ pub const FWD_CANDIDATES: &[TileConfig] = &[
     tw(256, 4),
     tw(128, 6),
     tw(256, 3),
-    pair(tw(256, 3)),
 ];
 
 /// Candidates of the backward d-logits mainloop.
@@ -159,7 +147,6 @@ pub const LOGITS_CANDIDATES: &[TileConfig] = &[
     tw(256, 4),
     tw(128, 6),
     tw(256, 3),
-    pair(tw(128, 6)),
 ];
 
 /// Candidates of the backward GEMMs. The `wgmma` ones without `mn` read both operands K-major:
@@ -182,7 +169,6 @@ pub const GEMM_CANDIDATES: &[TileConfig] = &[
     tm(256, 4),
     tm(128, 6),
     tm(256, 3),
-    pair(tm(256, 4)),
 ];
 
 /// The shared memory an H200 block may use at most (227 KiB).
@@ -203,16 +189,6 @@ impl TileConfig {
     /// `h` for it.
     pub const fn reads_k_major_copies(self) -> bool {
         self.wgmma && !self.mn
-    }
-
-    /// Rows of one TMA box of a K-major B operand: the tile's `bn`, or half of it for a `pair`
-    /// config (each block of the pair loads one half and multicasts it).
-    pub const fn b_box_rows(self) -> u16 {
-        if self.pair {
-            self.bn / 2
-        } else {
-            self.bn
-        }
     }
 
     /// Rows of one warp's tile.
@@ -252,7 +228,7 @@ impl TileConfig {
     /// device asserts the same rules at compile time; this lets the host and the tests check the
     /// tables without building PTX.
     pub const fn is_well_formed(self) -> bool {
-        if (self.mn || self.pair) && !self.tma {
+        if self.mn && !self.tma {
             return false;
         }
         if self.tma {
@@ -308,8 +284,7 @@ impl TileConfig {
             (true, false, _) => "_wg",
             _ => "",
         };
-        let pair = if self.pair { "_pair" } else { "" };
-        std::format!("{m}{}_{n}{}_{k}{}_s{}_w{}x{}{wg}{pair}", self.bm, self.bn, self.bk, self.stages, self.warps_m, self.warps_n)
+        std::format!("{m}{}_{n}{}_{k}{}_s{}_w{}x{}{wg}", self.bm, self.bn, self.bk, self.stages, self.warps_m, self.warps_n)
     }
 }
 

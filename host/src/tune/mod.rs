@@ -170,10 +170,6 @@ impl Tuner {
         let mut outcomes = Vec::new();
         let mut reference: Option<Vec<f64>> = None;
         for &c in family.candidates() {
-            if c.pair && crate::overrides::Overrides::get().pair_off {
-                outcomes.push((c, Outcome::Pruned { reason: "LMHEAD_PAIR=0".into() }));
-                continue;
-            }
             if let Err(reason) = can_implement(c, self.device.as_ref(), p) {
                 outcomes.push((c, Outcome::Pruned { reason }));
                 continue;
