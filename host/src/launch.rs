@@ -444,7 +444,7 @@ pub fn bwd_gemm(
     out: Option<&Dev>,
     mode: GemmOut,
 ) -> Result<()> {
-    if cfg.wgmma && !cfg.mn {
+    if cfg.reads_k_major_copies() {
         return Err(Error::Config(format!("{cfg:?} reads K-major operands: use bwd_gemm_kk")));
     }
     if n % 8 != 0 || a_stride % 8 != 0 || b_stride % 8 != 0 || b_stride < n {
@@ -580,10 +580,10 @@ pub fn transpose_bf16(
         _pad: 0,
     };
     // Square tiles of `TRANSPOSE_TILE`, one tile of shared memory per block; 8 blocks of 256
-    // threads fill an SM.
+    // threads fill an SM (the kernel loops over the tiles beyond the grid).
     let tile = fixed::TRANSPOSE_TILE as usize;
     let tiles = (dst_cols.div_ceil(tile) * cols.div_ceil(tile)).max(1);
-    let blocks = tiles.min(132 * 8) as u32;
+    let blocks = tiles.min(gpu.info().sm_count as usize * 8) as u32;
     launch(gpu, stream, fixed::TRANSPOSE_BF16, (tile * tile * 2) as u32, (blocks, 1), fixed::THREADS, p)
 }
 
@@ -735,8 +735,8 @@ pub fn unit_wgmma(gpu: &Gpu, stream: &Arc<CudaStream>, a: &Dev, b: &Dev, n: usiz
         256 => fixed::UNIT_WGMMA_N256,
         _ => return Err(Error::Config(format!("unit wgmma tile of {n} columns (128 or 256)"))),
     };
-    let ta = TmaOperand { ptr: a.check(64 * 64, 16)?, rows: 64, cols: 64, stride: 64, box_rows: 64 };
-    let tb = TmaOperand { ptr: b.check(n * 64, 16)?, rows: n, cols: 64, stride: 64, box_rows: n as u32 };
+    let ta = unit_a_operand(a)?;
+    let tb = TmaOperand::k_major(b.check(n * 64, 16)?, n, 64, 64, n as u16);
     let (maps, tmaps) = tma_maps(stream, ta, tb)?;
     let p = UnitParams { tmaps, out: out.check(64 * n, 8)?, ..Default::default() };
     launch(gpu, stream, name, ((64 + n) * 128 + 16) as u32, (1, 1), 128, p)?;
@@ -748,11 +748,16 @@ pub fn unit_wgmma(gpu: &Gpu, stream: &Arc<CudaStream>, a: &Dev, b: &Dev, n: usiz
 /// MN-major (`B[k][n]`), read by `wgmma` with `imm-trans-b`; the B descriptor gets the leading
 /// and stride byte offsets `(lbo, sbo)`. `out`: `64 × 128` f32.
 pub fn unit_wgmma_mn(gpu: &Gpu, stream: &Arc<CudaStream>, a: &Dev, b: &Dev, (lbo, sbo): (u32, u32), out: &Dev) -> Result<()> {
-    let ta = TmaOperand { ptr: a.check(64 * 64, 16)?, rows: 64, cols: 64, stride: 64, box_rows: 64 };
-    let tb = TmaOperand { ptr: b.check(64 * 128, 16)?, rows: 64, cols: 128, stride: 128, box_rows: 64 };
+    let ta = unit_a_operand(a)?;
+    let tb = TmaOperand::mn_major(b.check(64 * 128, 16)?, 64, 128, 128);
     let (maps, tmaps) = tma_maps(stream, ta, tb)?;
     let p = UnitParams { tmaps, out: out.check(64 * 128, 8)?, k0: lbo, row0: sbo, ..Default::default() };
     launch(gpu, stream, fixed::UNIT_WGMMA_MN_N128, 3 * 8192 + 16, (1, 1), 128, p)?;
     drop(maps);
     Ok(())
+}
+
+/// The unit `wgmma` kernels' A: one `[64][64]` K-major tile, one box.
+fn unit_a_operand(a: &Dev) -> Result<TmaOperand> {
+    Ok(TmaOperand::k_major(a.check(64 * 64, 16)?, 64, 64, 64, 64))
 }
