@@ -15,11 +15,13 @@ fn main() {
             let wg = format!("{}, {}, {}, {}, {}", c.bm, c.bn, c.stages, c.warps_m / 4, c.bn / 128);
             let (tma, mn) = (c.tma, c.mn);
             assert!(!mn || matches!(family, Family::BwdDh | Family::BwdDw), "{family:?} {c:?}: only the GEMMs read operands in place");
+            let st = c.tma_store;
+            assert!(!st || matches!(family, Family::BwdDlogits | Family::BwdDlogitsEnt), "{family:?} {c:?}: only the d-logits store through TMA");
             let (params, call) = match family {
                 Family::Fwd if c.wgmma => ("LogitsParams", format!("hopper::fwd_wg::<{wg}, false, {tma}>")),
                 Family::FwdEnt if c.wgmma => ("LogitsParams", format!("hopper::fwd_wg::<{wg}, true, {tma}>")),
-                Family::BwdDlogits if c.wgmma => ("LogitsParams", format!("hopper::dlogits_wg::<{wg}, false, {tma}>")),
-                Family::BwdDlogitsEnt if c.wgmma => ("LogitsParams", format!("hopper::dlogits_wg::<{wg}, true, {tma}>")),
+                Family::BwdDlogits if c.wgmma => ("LogitsParams", format!("hopper::dlogits_wg::<{wg}, false, {tma}, {st}>")),
+                Family::BwdDlogitsEnt if c.wgmma => ("LogitsParams", format!("hopper::dlogits_wg::<{wg}, true, {tma}, {st}>")),
                 // dh: A (staging) K-major, B (`W` chunk) MN-major in place; dW: both in place.
                 Family::BwdDh if c.wgmma => ("GemmParams", format!("hopper::gemm_wg::<{wg}, {tma}, false, {mn}>")),
                 Family::BwdDw if c.wgmma => ("GemmParams", format!("hopper::gemm_wg::<{wg}, {tma}, {mn}, {mn}>")),

@@ -205,6 +205,13 @@ fn in_place_configs() -> BwdConfigs {
     BwdConfigs { dlogits: tma_configs().dlogits, dh: mn(Family::BwdDh), dw: mn(Family::BwdDw) }
 }
 
+/// The in-place GEMMs with the first d-logits candidate that stores its tiles through shared
+/// memory by TMA (`tma_store`).
+fn tma_store_configs() -> BwdConfigs {
+    let st = *Family::BwdDlogits.candidates().iter().find(|c| c.tma_store).expect("a tma_store candidate");
+    BwdConfigs { dlogits: Choice::Fixed(st), ..in_place_configs() }
+}
+
 /// Shapes and upstream-gradient combinations; several chunks with a tail; f32 and bf16 outputs;
 /// the large shapes on both mainloops.
 #[test]
@@ -234,6 +241,8 @@ fn shapes_and_upstreams() {
     c.config = tma_configs();
     cases.push(c.clone());
     c.config = in_place_configs();
+    cases.push(c.clone());
+    c.config = tma_store_configs();
     cases.push(c);
     cases.push(BwdCase::new(1, 151936, 8, Upstream::Both));
     // A wide chunk (32768 columns ran fwd+bwd 3.5–5% faster in the bench at `ed589ae`): three
@@ -243,6 +252,8 @@ fn shapes_and_upstreams() {
     c.config = tma_configs();
     cases.push(c.clone());
     c.config = in_place_configs();
+    cases.push(c.clone());
+    c.config = tma_store_configs();
     cases.push(c);
     let mut c = BwdCase::new(64, 1000, 1000, Upstream::Entropy);
     c.chunk = Some(300);
@@ -278,6 +289,8 @@ fn structures() {
         c.config = tma_configs();
         cases.push(c.clone());
         c.config = in_place_configs();
+        cases.push(c.clone());
+        c.config = tma_store_configs();
         cases.push(c);
     }
     run_all("gpu_bwd::structures", &cases);

@@ -2,13 +2,14 @@
 //! 128-byte swizzle the `wgmma` descriptors assume, zero fill out of bounds) and one `wgmma`
 //! tile of each width (descriptors, instruction wrappers and the accumulator layout the
 //! epilogues assume) against an f64 product, also with B stored MN-major (`imm-trans-b`, the
-//! layout the backward GEMMs' in-place operands use); and the bf16 transpose the K-major
+//! layout the backward GEMMs' in-place operands use); the `tma_store` d-logits epilogue
+//! (`stmatrix` into swizzled boxes, TMA store, clipping at the tensor's edges); and the bf16 transpose the K-major
 //! `wgmma` GEMM candidates read (bit-exact, zero padding, nothing written past it). Outputs are
 //! poisoned before each launch.
 
 use lmhead::bf16;
 use lmhead::cudarc::driver::CudaSlice;
-use lmhead::launch::{dev_in, dev_out, transpose_bf16, unit_tma_copy, unit_wgmma, unit_wgmma_mn};
+use lmhead::launch::{dev_in, dev_out, transpose_bf16, unit_tma_copy, unit_tma_store, unit_wgmma, unit_wgmma_mn};
 use lmhead::testing::{poison, upload_bf16};
 use lmhead_reference::rng::Rng;
 use lmhead_tests::{case_seed, gpu_or_skip, run_seed};
@@ -17,6 +18,48 @@ use lmhead_tests::{case_seed, gpu_or_skip, run_seed};
 fn bf16_values(seed: u64, n: usize) -> Vec<u16> {
     let mut rng = Rng::new(seed);
     (0..n).map(|_| lmhead_reference::bf16::from_f32(((rng.uniform() - 0.5) * 4.0) as f32)).collect()
+}
+
+/// The `tma_store` epilogue: two calls store four 64 × 64 tiles into a 100 × 136 matrix, one call
+/// wholly inside it and one across both edges; every element must hold its tile's pattern or,
+/// where no tile covers it, still the poison.
+#[test]
+fn tma_store_writes_fragments_in_place_and_clips() {
+    let Some((head, stream)) = gpu_or_skip("gpu_units::tma_store") else { return };
+    let (rows, cols) = (100usize, 136usize);
+    let mut out: CudaSlice<bf16> = stream.alloc_zeros(rows * cols).unwrap();
+    poison(&stream, &mut out).unwrap();
+    let poisoned: Vec<u16> = stream.clone_dtoh(&out).unwrap().iter().map(|x| x.to_bits()).collect();
+    let calls = [(0u32, 0u32), (64, 64)];
+    for &origin in &calls {
+        let o = dev_out(&mut out, &stream, "out").unwrap();
+        unit_tma_store(head.gpu(), &stream, &o, (rows, cols), origin).unwrap();
+    }
+    let got: Vec<u16> = stream.clone_dtoh(&out).unwrap().iter().map(|x| x.to_bits()).collect();
+    let mut bad = 0;
+    for r in 0..rows {
+        for c in 0..cols {
+            // The tile (call, i) covering (r, c), if any: tile i of a call at (col0, row0) spans
+            // columns col0 + 64i .. + 64 and rows row0 .. + 64.
+            let mut want = poisoned[r * cols + c];
+            for &(col0, row0) in &calls {
+                for i in 0..2usize {
+                    let (c0, r0) = (col0 as usize + 64 * i, row0 as usize);
+                    if (c0..c0 + 64).contains(&c) && (r0..r0 + 64).contains(&r) {
+                        want = (4096 * i + 64 * (r - r0) + (c - c0)) as u16;
+                    }
+                }
+            }
+            if got[r * cols + c] != want {
+                bad += 1;
+                if bad <= 5 {
+                    eprintln!("({r},{c}): got {:#06x} want {want:#06x}", got[r * cols + c]);
+                }
+            }
+        }
+    }
+    println!("[gpu_units::tma_store] {rows} x {cols}, tiles at {calls:?}: {bad} wrong of {}", rows * cols);
+    assert_eq!(bad, 0);
 }
 
 #[test]

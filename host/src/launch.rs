@@ -218,14 +218,16 @@ fn encode_tmap(op: TmaOperand) -> Result<[u8; 128]> {
     Ok(bytes)
 }
 
-/// The two tensor maps (A, then B) of a TMA launch in device memory, stream-ordered before the
-/// kernel, and their device address. Keep the returned buffer until the launch is queued:
-/// dropping it frees it on the same stream, after the kernel.
-fn tma_maps(stream: &Arc<CudaStream>, a: TmaOperand, b: TmaOperand) -> Result<(CudaSlice<u8>, u64)> {
-    let mut both = [0u8; 256];
-    both[..128].copy_from_slice(&encode_tmap(a)?);
-    both[128..].copy_from_slice(&encode_tmap(b)?);
-    let dev = stream.clone_htod(&both).during(|| "copying tensor maps to the device".to_string())?;
+/// The tensor maps of a TMA launch (A, then B, then for a `tma_store` d-logits the staging
+/// buffer) in device memory, 128 bytes apart, stream-ordered before the kernel, and their device
+/// address. Keep the returned buffer until the launch is queued: dropping it frees it on the same
+/// stream, after the kernel.
+fn tma_maps(stream: &Arc<CudaStream>, ops: &[TmaOperand]) -> Result<(CudaSlice<u8>, u64)> {
+    let mut all = vec![0u8; 128 * ops.len()];
+    for (slot, &op) in all.chunks_exact_mut(128).zip(ops) {
+        slot.copy_from_slice(&encode_tmap(op)?);
+    }
+    let dev = stream.clone_htod(&all).during(|| "copying tensor maps to the device".to_string())?;
     let addr = dev.device_ptr(stream).0;
     if !addr.is_multiple_of(64) {
         return Err(Error::Config("tensor-map buffer is not 64-byte aligned".into()));
@@ -235,11 +237,11 @@ fn tma_maps(stream: &Arc<CudaStream>, a: TmaOperand, b: TmaOperand) -> Result<(C
 
 /// [`tma_maps`] for a TMA `cfg`; for any other config no buffer and address 0 (the kernel's
 /// `tmaps` parameter is then unused).
-fn tma_maps_for(cfg: TileConfig, stream: &Arc<CudaStream>, a: TmaOperand, b: TmaOperand) -> Result<(Option<CudaSlice<u8>>, u64)> {
+fn tma_maps_for(cfg: TileConfig, stream: &Arc<CudaStream>, ops: &[TmaOperand]) -> Result<(Option<CudaSlice<u8>>, u64)> {
     if !cfg.tma {
         return Ok((None, 0));
     }
-    let (buf, addr) = tma_maps(stream, a, b)?;
+    let (buf, addr) = tma_maps(stream, ops)?;
     Ok((Some(buf), addr))
 }
 
@@ -321,8 +323,7 @@ pub fn fwd_mainloop(
     let (maps, tmaps) = tma_maps_for(
         cfg,
         stream,
-        TmaOperand::k_major(hp, dims.t, dims.d, dims.d, cfg.bm),
-        TmaOperand::k_major(wp, dims.v, dims.d, dims.d, cfg.bn),
+        &[TmaOperand::k_major(hp, dims.t, dims.d, dims.d, cfg.bm), TmaOperand::k_major(wp, dims.v, dims.d, dims.d, cfg.bn)],
     )?;
     p.tmaps = tmaps;
     let grid = (dims.t.div_ceil(cfg.bm as usize) as u32, n_splits);
@@ -403,12 +404,13 @@ pub fn bwd_dlogits(
     (p.tiles_per_split, p.raster_group) = (plan.tiles_per_split, plan.raster_group);
     let grid = (m_tiles, plan.n_splits);
     // The B map ends at the chunk: rows beyond it load as zeros, as the `cp.async` path's bound.
-    let (maps, tmaps) = tma_maps_for(
-        cfg,
-        stream,
-        TmaOperand::k_major(hp, dims.t, dims.d, dims.d, cfg.bm),
-        TmaOperand::k_major(wp, chunk_begin + chunk, dims.d, dims.d, cfg.bn),
-    )?;
+    // A `tma_store` config stores through a third map over the staging buffer, which clips rows
+    // ≥ t and columns ≥ stride as the other epilogue's guards do.
+    let a_map = TmaOperand::k_major(hp, dims.t, dims.d, dims.d, cfg.bm);
+    let b_map = TmaOperand::k_major(wp, chunk_begin + chunk, dims.d, dims.d, cfg.bn);
+    let store_map = TmaOperand::k_major(p.staging, dims.t, stride, stride, 64);
+    let ops: &[TmaOperand] = if cfg.tma_store { &[a_map, b_map, store_map] } else { &[a_map, b_map] };
+    let (maps, tmaps) = tma_maps_for(cfg, stream, ops)?;
     p.tmaps = tmaps;
     // Columns beyond the chunk up to a whole tile are written only below `stride`.
     launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
@@ -513,7 +515,7 @@ fn launch_gemm(
     if let Some(o) = out {
         p.c_out = o.check(m * n, if mode.out_f32 { 8 } else { 4 })?;
     }
-    let (maps, tmaps) = tma_maps_for(cfg, stream, a_map, b_map)?;
+    let (maps, tmaps) = tma_maps_for(cfg, stream, &[a_map, b_map])?;
     p.tmaps = tmaps;
     let m_tiles = m.div_ceil(cfg.bm as usize) as u32;
     let plan = bwd_plan(gpu, cfg, m_tiles, n.div_ceil(cfg.bn as usize) as u32, k);
@@ -720,7 +722,7 @@ pub fn unit_tma_copy(
         return Err(Error::Config(format!("unit TMA box of {rows} rows (1..=256, multiple of 8)")));
     }
     let a = TmaOperand { ptr: src.check(src_rows * stride, 16)?, rows: src_rows, cols: k, stride, box_rows: rows };
-    let (maps, tmaps) = tma_maps(stream, a, a)?;
+    let (maps, tmaps) = tma_maps(stream, &[a])?;
     let p = UnitParams { tmaps, out: out.check(rows as usize * 64, 16)?, k0, row0, rows, _pad: 0 };
     launch(gpu, stream, fixed::UNIT_TMA_COPY, rows * 128 + 8, (1, 1), 128, p)?;
     drop(maps);
@@ -737,7 +739,7 @@ pub fn unit_wgmma(gpu: &Gpu, stream: &Arc<CudaStream>, a: &Dev, b: &Dev, n: usiz
     };
     let ta = unit_a_operand(a)?;
     let tb = TmaOperand::k_major(b.check(n * 64, 16)?, n, 64, 64, n as u16);
-    let (maps, tmaps) = tma_maps(stream, ta, tb)?;
+    let (maps, tmaps) = tma_maps(stream, &[ta, tb])?;
     let p = UnitParams { tmaps, out: out.check(64 * n, 8)?, ..Default::default() };
     launch(gpu, stream, name, ((64 + n) * 128 + 16) as u32, (1, 1), 128, p)?;
     drop(maps);
@@ -750,9 +752,28 @@ pub fn unit_wgmma(gpu: &Gpu, stream: &Arc<CudaStream>, a: &Dev, b: &Dev, n: usiz
 pub fn unit_wgmma_mn(gpu: &Gpu, stream: &Arc<CudaStream>, a: &Dev, b: &Dev, (lbo, sbo): (u32, u32), out: &Dev) -> Result<()> {
     let ta = unit_a_operand(a)?;
     let tb = TmaOperand::mn_major(b.check(64 * 128, 16)?, 64, 128, 128);
-    let (maps, tmaps) = tma_maps(stream, ta, tb)?;
+    let (maps, tmaps) = tma_maps(stream, &[ta, tb])?;
     let p = UnitParams { tmaps, out: out.check(64 * 128, 8)?, k0: lbo, row0: sbo, ..Default::default() };
     launch(gpu, stream, fixed::UNIT_WGMMA_MN_N128, 3 * 8192 + 16, (1, 1), 128, p)?;
+    drop(maps);
+    Ok(())
+}
+
+/// Unit kernel `UNIT_TMA_STORE`: one warpgroup stores two 64 × 64 tiles of 16-bit patterns
+/// (element (r, c) of tile `i` is `4096·i + 64·r + c`) through the `tma_store` d-logits
+/// epilogue into `out` (`rows × cols`, 16-bit), tile `i` at column `col0 + 64i`, row `row0`;
+/// what falls outside `out` is clipped.
+pub fn unit_tma_store(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    out: &Dev,
+    (rows, cols): (usize, usize),
+    (col0, row0): (u32, u32),
+) -> Result<()> {
+    let map = TmaOperand::k_major(out.check(rows * cols, 16)?, rows, cols, cols, 64);
+    let (maps, tmaps) = tma_maps(stream, &[map])?;
+    let p = UnitParams { tmaps, k0: col0, row0, ..Default::default() };
+    launch(gpu, stream, fixed::UNIT_TMA_STORE, 2 * 8192, (1, 1), 128, p)?;
     drop(maps);
     Ok(())
 }

@@ -202,6 +202,25 @@ pub(crate) unsafe fn row_coeffs<const MI: usize, const ENT: bool>(p: &LogitsPara
     c
 }
 
+/// The bf16 d-logits of columns `c` and `c + 1` (relative to the chunk; zeros past it) of row
+/// `(mi, h)` of `co`, from their raw dot products, packed as [`intrinsics::pack_bf16x2`] does.
+#[inline(always)]
+pub(crate) fn dlogits_pair<const MI: usize, const ENT: bool>(p: &LogitsParams, co: &RowCoeffs<MI>, mi: usize, h: usize, c: u32, raw: [f32; 2]) -> u32 {
+    let neg_lse2 = -co.lse2[mi][h];
+    let mut g = [0.0f32; 2];
+    unroll!(2, |e| {
+        let pr = exp2(fma(raw[e], p.scale2, neg_lse2));
+        let onehot = if (c + e as u32) as i32 == co.label[mi][h] { 1.0 } else { 0.0 };
+        let mut x = co.gl[mi][h] * (onehot - pr);
+        if ENT {
+            let z = raw[e] * p.inv_temp;
+            x -= co.ge[mi][h] * pr * (z - co.mu[mi][h]);
+        }
+        g[e] = if c + (e as u32) < p.v_chunk { x } else { 0.0 };
+    });
+    intrinsics::pack_bf16x2(g[0], g[1])
+}
+
 /// Write the bf16 d-logits of one finished logits tile (raw dot products in `acc`, columns
 /// `n0 + w.col(..)` relative to the chunk) into the staging buffer; padding columns get 0.
 ///
@@ -220,27 +239,15 @@ pub(crate) unsafe fn store_dlogits<const MI: usize, const NI: usize, const ENT: 
         unroll!(2, |h| {
             let row = m0 + w.row(mi, h);
             if row < p.t {
-                let neg_lse2 = -co.lse2[mi][h];
                 unroll!(NI, |ni| {
                     let c = n0 + w.col(ni, 0);
-                    let mut g = [0.0f32; 2];
-                    unroll!(2, |e| {
-                        let raw = acc[mi][ni][2 * h + e];
-                        let pr = exp2(fma(raw, p.scale2, neg_lse2));
-                        let onehot = if (c + e as u32) as i32 == co.label[mi][h] { 1.0 } else { 0.0 };
-                        let mut x = co.gl[mi][h] * (onehot - pr);
-                        if ENT {
-                            let z = raw * p.inv_temp;
-                            x -= co.ge[mi][h] * pr * (z - co.mu[mi][h]);
-                        }
-                        g[e] = if c + (e as u32) < p.v_chunk { x } else { 0.0 };
-                    });
+                    let v = dlogits_pair::<MI, ENT>(p, co, mi, h, c, [acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]]);
                     if (c as u64) < p.staging_stride {
                         let idx = row as u64 * p.staging_stride + c as u64;
                         // SAFETY: row < t and c < stride (c even, stride a multiple of 8, so
                         // c + 1 < stride too): inside the staging buffer; 4-byte aligned because
                         // c and the stride are even.
-                        unsafe { *(p.staging as *mut u32).add((idx / 2) as usize) = intrinsics::pack_bf16x2(g[0], g[1]) };
+                        unsafe { *(p.staging as *mut u32).add((idx / 2) as usize) = v };
                     }
                 });
             }

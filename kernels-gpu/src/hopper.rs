@@ -23,7 +23,7 @@
 //! accumulator layout of `m64n128k16` is the `mma.sync` m16n8 layout per 8 columns, one m16 tile
 //! per warp), and the block reduction is `fwd::store_partials` with one warp along N.
 
-use crate::bwd::{row_coeffs, store_dlogits, store_gemm};
+use crate::bwd::{dlogits_pair, row_coeffs, store_dlogits, store_gemm};
 use crate::fwd::{fold_tile, load_label, local_column, store_partials};
 use crate::intrinsics::{self, SmemAddr};
 use crate::mainloop::{self, Acc, Operand, WarpPos};
@@ -585,6 +585,94 @@ pub unsafe fn fwd_wg<
     unsafe { store_partials::<BM, 1, 1, ENT>(p, &w, &mut st, &mut z_label, m0, split, intrinsics::smem_base(), (WGM * 128) as u32) };
 }
 
+/// Bytes of one output box of a `tma_store` epilogue: 64 rows × 64 bf16.
+const BOX_BYTES: u32 = 64 * 128;
+
+/// The output boxes of a `tma_store` epilogue (`lmhead_core::config::TMA_STORE_BYTES`): two
+/// 64 × 64 bf16 boxes with the 128-byte swizzle per consumer warpgroup, used in turn. Each
+/// 64-column half of the warpgroup's tile is written into one by `stmatrix` and stored to global
+/// memory by the tensor memory accelerator, whole 128-byte lines, rows and columns outside the
+/// tensor clipped by the map.
+pub(crate) struct StoreBoxes {
+    /// This warpgroup's first box.
+    first: SmemAddr,
+    /// The output's tensor map (64 × 64 boxes, 128-byte swizzle).
+    map: *const u8,
+    /// The warpgroup's named barrier (2 + warpgroup; 0 and 1 are the block's and the
+    /// consumers').
+    bar: u32,
+    leader: bool,
+    /// Warp within the warpgroup, and lane.
+    warp: u32,
+    lane: u32,
+    /// Half tiles stored so far (box `next % 2` is the next one written).
+    next: u32,
+}
+
+impl StoreBoxes {
+    /// The boxes of consumer thread `tid`'s warpgroup; `boxes` is the first box of the block
+    /// (1024-byte aligned), `map` the output's tensor map.
+    #[inline(always)]
+    pub(crate) fn new(boxes: SmemAddr, map: *const u8, tid: u32) -> Self {
+        let wg = tid >> 7;
+        Self { first: boxes + wg * 2 * BOX_BYTES, map, bar: 2 + wg, leader: tid & 127 == 0, warp: (tid >> 5) & 3, lane: tid & 31, next: 0 }
+    }
+
+    /// Store one 64 × 64 half tile at `(col, row)` of the map: `v[j][hh]` is this thread's
+    /// packed bf16 pair of n8 tile `j`, rows `16·warp + lane/4 + 8·hh`, columns
+    /// `8j + 2·(lane % 4)` and `+1` of the box (the `wgmma` / `mma` accumulator layout).
+    ///
+    /// Order: the leader waits until the store that last read this box has read it
+    /// (`wait_group.read 1`: the other box's store may still run), a warpgroup barrier frees the
+    /// box, each warp writes its 16 rows with four `stmatrix.x4` (8 × 8 matrices: tiles `2j`,
+    /// `2j + 1` × row halves; the 16-byte chunk `c` of row `r` at `(c ^ r % 8)·16`, the 128-byte
+    /// swizzle the map names), each thread fences its writes into the async proxy, a second
+    /// barrier, and the leader issues the store and commits it.
+    ///
+    /// # Safety
+    /// Called by all 128 threads of the warpgroup together, the same number of times; the boxes
+    /// lie in the block's dynamic shared memory and nothing else uses them or barrier `2 + wg`;
+    /// `map` is a valid tensor map of a bf16 tensor with 64 × 64 boxes and the 128-byte swizzle
+    /// whose in-bounds part only this block writes at these coordinates; [`Self::drain`] runs
+    /// before the block exits.
+    #[inline(always)]
+    pub(crate) unsafe fn store(&mut self, v: &[[u32; 2]; 8], col: u32, row: u32) {
+        let bx = self.first + (self.next & 1) * BOX_BYTES;
+        if self.leader {
+            intrinsics::bulk_wait_read::<1>();
+        }
+        let i = self.lane >> 3;
+        let r = 16 * self.warp + 8 * (i & 1) + (self.lane & 7);
+        // SAFETY: 128 threads of this warpgroup, same count (caller); the box is free (the
+        // leader's wait before the first barrier); every address is a 16-byte chunk of a row of
+        // this 8 KiB box; the store reads the box only after every writer's proxy fence and the
+        // second barrier.
+        unsafe {
+            intrinsics::named_barrier_id(self.bar, 128);
+            unroll!(4, |j| {
+                let chunk = 2 * j as u32 + (i >> 1);
+                let addr = bx + r * 128 + ((chunk ^ (r & 7)) << 4);
+                intrinsics::stmatrix_x4(addr, [v[2 * j][0], v[2 * j][1], v[2 * j + 1][0], v[2 * j + 1][1]]);
+            });
+            intrinsics::fence_proxy_async_shared();
+            intrinsics::named_barrier_id(self.bar, 128);
+            if self.leader {
+                intrinsics::tma_store_2d(self.map, bx, col as i32, row as i32);
+                intrinsics::bulk_commit();
+            }
+        }
+        self.next += 1;
+    }
+
+    /// Wait until every store has written global memory (before the block exits).
+    #[inline(always)]
+    pub(crate) fn drain(&self) {
+        if self.leader {
+            intrinsics::bulk_wait::<0>();
+        }
+    }
+}
+
 /// This block's output tiles in a grid of `(m tiles, n groups)` blocks, taken in
 /// [`lmhead_core::split::raster`] order with groups of `group` m tiles (0 = plain): the first
 /// row, the first column and the count of the `per` consecutive `BN`-wide tiles (of `n_total`)
@@ -608,13 +696,15 @@ fn block_tiles<const BM: usize, const BN: usize>(group: u32, per: u32, n_total: 
 }
 
 /// Backward d-logits of one vocab chunk on the Hopper mainloop. Same contract as
-/// `bwd::dlogits`.
+/// `bwd::dlogits`. `TS` (with `TMA`): the tile is stored through [`StoreBoxes`] by the tensor
+/// memory accelerator, with a third tensor map over the staging buffer.
 ///
 /// # Safety
 /// Launched with `WGM·128` threads (`(WGM + 1)·128` for `TMA`), grid
 /// `(ceil(t/BM), ceil(ceil(staging_stride/BN) / max(1, p.tiles_per_split)))`, the ring's
-/// dynamic shared memory (with `TMA`'s mbarriers and `p.tmaps`); buffers as for
-/// `bwd::dlogits`.
+/// dynamic shared memory (with `TMA`'s mbarriers and `p.tmaps`; for `TS` 1024 bytes after the
+/// ring, then `TMA_STORE_BYTES`, and a third map in `p.tmaps`: the staging buffer
+/// `[t][staging_stride]`, 64 × 64 boxes, 128-byte swizzle); buffers as for `bwd::dlogits`.
 #[inline(always)]
 pub unsafe fn dlogits_wg<
     const BM: usize,
@@ -624,9 +714,11 @@ pub unsafe fn dlogits_wg<
     const NW: usize,
     const ENT: bool,
     const TMA: bool,
+    const TS: bool,
 >(
     p: &LogitsParams,
 ) {
+    const { assert!(TMA || !TS) };
     let tid = intrinsics::thread_idx();
     let n_total = (p.staging_stride as u32).div_ceil(BN as u32);
     let (m0, n0_first, n_tiles) = block_tiles::<BM, BN>(p.raster_group, p.tiles_per_split, n_total);
@@ -641,6 +733,39 @@ pub unsafe fn dlogits_wg<
     let a = Operand { ptr: p.h as *const u16, stride: p.h_row_stride, mn_bound: p.t, k_bound: p.d };
     let b = Operand { ptr: p.w as *const u16, stride: p.w_row_stride, mn_bound: p.v_chunk_begin + p.v_chunk, k_bound: p.d };
     let mut acc: WgAcc<NW> = [[[[0.0; 4]; 8]; 2]; NW];
+    if TS {
+        let boxes = intrinsics::smem_base() + (ST * (BM + BN) * BK * 2) as u32 + 1024;
+        let mut out = StoreBoxes::new(boxes, (p.tmaps as *const u8).wrapping_add(256), tid);
+        let row = m0 + 64 * (tid >> 7);
+        let lane = tid & 31;
+        let finish = #[inline(always)]
+        |tile: u32, acc: &mut WgAcc<NW>| {
+            let n0 = n0_first + tile * BN as u32;
+            unroll!(NW, |nb| {
+                unroll!(2, |h| {
+                    let c0 = n0 + (nb * 128 + h * 64) as u32;
+                    let mut v = [[0u32; 2]; 8];
+                    unroll!(8, |j| {
+                        unroll!(2, |hh| {
+                            let x = acc[nb][h][j];
+                            v[j][hh] = dlogits_pair::<1, ENT>(p, &coeffs, 0, hh, c0 + (8 * j) as u32 + 2 * (lane & 3), [x[2 * hh], x[2 * hh + 1]]);
+                        });
+                    });
+                    // SAFETY: every consumer thread of the warpgroup runs each finish; the
+                    // boxes follow the ring per the kernel contract; the staging map is the
+                    // third one; this block alone writes these rows and columns of the chunk.
+                    unsafe { out.store(&v, c0, row) };
+                });
+            });
+        };
+        // SAFETY: every thread calls with the same arguments; smem and operands per the
+        // contract.
+        unsafe {
+            run_pipeline::<BM, BN, ST, WGM, NW, TMA, false, false>(tid, a, b, m0, p.v_chunk_begin + n0_first, n_tiles, kt, &mut acc, finish)
+        };
+        out.drain();
+        return;
+    }
     let finish = #[inline(always)]
     |tile: u32, acc: &mut WgAcc<NW>| {
         let n0 = n0_first + tile * BN as u32;

@@ -684,6 +684,85 @@ pub unsafe fn tma_load_2d(dst: SmemAddr, tmap: *const u8, c0: i32, c1: i32, mbar
     };
 }
 
+/// `cp.async.bulk.tensor.2d.global.shared::cta.bulk_group`: the tensor memory accelerator
+/// copies the box at `src` in shared memory (laid out as the map's swizzle says) to coordinates
+/// `(c0, c1)` (innermost first) of the tensor described by `tmap`, skipping out-of-bounds
+/// elements. The copy joins this thread's current bulk group ([`bulk_commit`]); the box may be
+/// rewritten only after [`bulk_wait_read`] covers that group.
+///
+/// # Safety
+/// `tmap` must be the generic address of a valid tensor map in global memory whose tensor's
+/// in-bounds part is writable and written by nothing else while the copy runs; `src` must be a
+/// shared address aligned as the map's swizzle needs (1024 bytes for the 128-byte swizzle) with
+/// the box's bytes, written before a `fence.proxy.async.shared::cta` by each writing thread
+/// (ordered before this call by a barrier), and not rewritten until the group's reads complete;
+/// the block must not exit before [`bulk_wait`] covers the group.
+#[inline(always)]
+pub unsafe fn tma_store_2d(tmap: *const u8, src: SmemAddr, c0: i32, c1: i32) {
+    // SAFETY: the caller guarantees the map, the source box and its lifetime.
+    unsafe {
+        asm!(
+            "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [{t}, {{{c0}, {c1}}}], [{s}];",
+            t = in(reg64) tmap, c0 = in(reg32) c0, c1 = in(reg32) c1, s = in(reg32) src,
+            options(nostack)
+        )
+    };
+}
+
+/// `cp.async.bulk.commit_group`: closes the bulk group of this thread's bulk copies so far.
+#[inline(always)]
+pub fn bulk_commit() {
+    // SAFETY: committing (possibly empty) groups has no preconditions.
+    unsafe { asm!("cp.async.bulk.commit_group;", options(nostack)) };
+}
+
+/// `cp.async.bulk.wait_group.read N`: waits until at most `N` of this thread's bulk groups
+/// still read their shared-memory sources (their global writes may still be in flight).
+#[inline(always)]
+pub fn bulk_wait_read<const N: u32>() {
+    // SAFETY: waiting has no preconditions.
+    unsafe { asm!("cp.async.bulk.wait_group.read {n};", n = const N, options(nostack)) };
+}
+
+/// `cp.async.bulk.wait_group N`: waits until at most `N` of this thread's bulk groups are
+/// pending, their global writes complete.
+#[inline(always)]
+pub fn bulk_wait<const N: u32>() {
+    // SAFETY: waiting has no preconditions.
+    unsafe { asm!("cp.async.bulk.wait_group {n};", n = const N, options(nostack)) };
+}
+
+/// `stmatrix.sync.aligned.m8n8.x4.shared.b16`: the warp stores four 8 × 8 b16 matrices. Lane
+/// `l` holds row `l/4`, columns `2·(l%4)`, `+1` of matrix `i` packed in `v[i]` (the `mma`
+/// accumulator fragment layout, as `ldmatrix` returns it); lanes `8i .. 8i + 7` give the
+/// addresses of rows 0–7 of matrix `i`.
+///
+/// # Safety
+/// Must be executed by all 32 lanes of the warp together; each lane's `addr` must be a 16-byte
+/// aligned shared address with 16 writable bytes.
+#[inline(always)]
+pub unsafe fn stmatrix_x4(addr: SmemAddr, v: [u32; 4]) {
+    // SAFETY: the caller guarantees convergence and the addresses.
+    unsafe {
+        asm!(
+            "stmatrix.sync.aligned.m8n8.x4.shared.b16 [{a}], {{{r0}, {r1}, {r2}, {r3}}};",
+            a = in(reg32) addr, r0 = in(reg32) v[0], r1 = in(reg32) v[1], r2 = in(reg32) v[2], r3 = in(reg32) v[3],
+            options(nostack)
+        )
+    };
+}
+
+/// `barrier.sync id, COUNT` with a run-time barrier id (as [`named_barrier`]).
+///
+/// # Safety
+/// `id` < 16; exactly `count` threads (a multiple of 32) must reach barrier `id` the same number
+/// of times.
+#[inline(always)]
+pub unsafe fn named_barrier_id(id: u32, count: u32) {
+    // SAFETY: the caller upholds the id and the arrival count.
+    unsafe { asm!("barrier.sync {id}, {n};", id = in(reg32) id, n = in(reg32) count, options(nostack)) };
+}
+
 /// `setmaxnreg.dec.sync.aligned.u32 N`: this warpgroup gives registers back (producer side).
 ///
 /// # Safety

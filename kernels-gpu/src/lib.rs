@@ -74,6 +74,7 @@ fixed_entry!(lm_head_unit_tma_copy, UnitParams, units::tma_copy);
 fixed_entry!(lm_head_unit_wgmma_n128, UnitParams, units::wgmma_tile::<1>);
 fixed_entry!(lm_head_unit_wgmma_n256, UnitParams, units::wgmma_tile::<2>);
 fixed_entry!(lm_head_unit_wgmma_mn_n128, UnitParams, units::wgmma_tile_mn);
+fixed_entry!(lm_head_unit_tma_store, UnitParams, units::tma_store);
 
 // Silence unused-import warnings when a family has no candidates.
 #[allow(dead_code)]

@@ -5,7 +5,7 @@
 //! Both run one warpgroup (128 threads) and use the same wrappers as the mainloop: the mbarrier
 //! and TMA wrappers of `intrinsics`, `lmhead_core::wgmma` descriptors and `hopper::wgmma_k16`.
 
-use crate::hopper::{wgmma_k16, WgAcc};
+use crate::hopper::{wgmma_k16, StoreBoxes, WgAcc};
 use crate::intrinsics::{self, SmemAddr};
 use lmhead_core::params::UnitParams;
 
@@ -147,6 +147,35 @@ pub unsafe fn wgmma_tile_mn(p: &UnitParams) {
     }
     // SAFETY: forwarded contract (`out` holds 64 × 128 f32).
     unsafe { store_acc::<1>(&acc, tid, p.out as *mut f32) };
+}
+
+/// Two 64 × 64 bf16 tiles of known bit patterns stored by one warpgroup through
+/// `hopper::StoreBoxes`, as the `tma_store` d-logits store theirs (`stmatrix` into the swizzled
+/// boxes, then a TMA store with the first map of `p`): tile `i` at `(p.k0 + 64i, p.row0)`, its
+/// element (r, c) the raw 16-bit pattern `4096·i + 64·r + c`.
+///
+/// # Safety
+/// Launched with 128 threads, one block, `2 · 8192` bytes of dynamic shared memory; `p.tmaps`
+/// holds one map of a writable 16-bit tensor with 64 × 64 boxes and the 128-byte swizzle.
+pub unsafe fn tma_store(p: &UnitParams) {
+    let tid = intrinsics::thread_idx();
+    let mut out = StoreBoxes::new(intrinsics::smem_base(), p.tmaps as *const u8, tid);
+    let (warp, lane) = (tid >> 5, tid & 31);
+    unroll!(2, |i| {
+        let mut v = [[0u32; 2]; 8];
+        unroll!(8, |j| {
+            unroll!(2, |hh| {
+                let r = 16 * warp + (lane >> 2) + 8 * hh as u32;
+                let c = 8 * j as u32 + 2 * (lane & 3);
+                let code = |c: u32| 4096 * i as u32 + 64 * r + c;
+                v[j][hh] = code(c) | (code(c + 1) << 16);
+            });
+        });
+        // SAFETY: the whole warpgroup, twice; the two boxes are the launch's 16 KiB; the map per
+        // the contract.
+        unsafe { out.store(&v, p.k0 + 64 * i as u32, p.row0) };
+    });
+    out.drain();
 }
 
 /// Thread `tid`'s accumulators of a 64 × `128·NW` tile to `out [64][128·NW]` (f32) at the

@@ -88,16 +88,37 @@ pub struct TileConfig {
     /// instead of from K-major copies the host makes first.
     #[cfg_attr(feature = "std", serde(default))]
     pub mn: bool,
+    /// With `tma`, d-logits only: each consumer warpgroup writes its output tile through
+    /// shared memory (`stmatrix` into two 64 × 64 boxes with the 128-byte swizzle, after the
+    /// ring, [`TMA_STORE_BYTES`] for the block) and the tensor memory accelerator stores each
+    /// box, instead of 4-byte stores from the accumulator fragments.
+    #[cfg_attr(feature = "std", serde(default))]
+    pub tma_store: bool,
 }
 
+/// Shared memory of a `tma_store` config's output boxes: two 64 × 64 bf16 boxes per consumer
+/// warpgroup. They start 1024 bytes after the ring (the mbarriers sit in that gap).
+pub const TMA_STORE_BYTES: usize = 2 * 2 * 64 * 64 * 2;
+
 const fn tc(bm: u16, bn: u16, bk: u16, stages: u8, warps_m: u8, warps_n: u8) -> TileConfig {
-    TileConfig { bm, bn, bk, stages, warps_m, warps_n, wgmma: false, tma: false, mn: false }
+    TileConfig { bm, bn, bk, stages, warps_m, warps_n, wgmma: false, tma: false, mn: false, tma_store: false }
 }
 
 /// A `wgmma` config: `wgs` warpgroups along M (64 rows each), `bn` columns (128 or 256),
 /// 64-deep stages with the 128-byte swizzle.
 const fn wg(wgs: u8, bn: u16, stages: u8) -> TileConfig {
-    TileConfig { bm: 64 * wgs as u16, bn, bk: 64, stages, warps_m: 4 * wgs, warps_n: 1, wgmma: true, tma: false, mn: false }
+    TileConfig {
+        bm: 64 * wgs as u16,
+        bn,
+        bk: 64,
+        stages,
+        warps_m: 4 * wgs,
+        warps_n: 1,
+        wgmma: true,
+        tma: false,
+        mn: false,
+        tma_store: false,
+    }
 }
 
 /// A warp-specialised TMA `wgmma` config: two consumer warpgroups (128 rows) and one producer
@@ -110,6 +131,11 @@ const fn tw(bn: u16, stages: u8) -> TileConfig {
 /// transposed copies.
 const fn tm(bn: u16, stages: u8) -> TileConfig {
     TileConfig { mn: true, ..tw(bn, stages) }
+}
+
+/// A TMA d-logits config whose epilogue stores through shared memory (`tma_store`).
+const fn ts(bn: u16, stages: u8) -> TileConfig {
+    TileConfig { tma_store: true, ..tw(bn, stages) }
 }
 
 /// Candidates of the forward: the `mma.sync` mainloop's and the Hopper `wgmma` mainloop's.
@@ -147,6 +173,8 @@ pub const LOGITS_CANDIDATES: &[TileConfig] = &[
     tw(256, 4),
     tw(128, 6),
     tw(256, 3),
+    ts(256, 4),
+    ts(128, 6),
 ];
 
 /// Candidates of the backward GEMMs. The `wgmma` ones without `mn` read both operands K-major:
@@ -215,7 +243,11 @@ impl TileConfig {
     /// Dynamic shared memory a launch of this config asks for (the ring is reused for the
     /// reduction after the mainloop; a TMA config keeps its `2 · stages` mbarriers after the ring).
     pub const fn smem_bytes(self) -> usize {
-        let a = self.ring_bytes() + if self.tma { 16 * self.stages as usize } else { 0 };
+        let a = if self.tma_store {
+            self.ring_bytes() + 1024 + TMA_STORE_BYTES
+        } else {
+            self.ring_bytes() + if self.tma { 16 * self.stages as usize } else { 0 }
+        };
         let b = self.reduce_bytes();
         if a > b {
             a
@@ -228,7 +260,7 @@ impl TileConfig {
     /// device asserts the same rules at compile time; this lets the host and the tests check the
     /// tables without building PTX.
     pub const fn is_well_formed(self) -> bool {
-        if self.mn && !self.tma {
+        if (self.mn || self.tma_store) && !self.tma {
             return false;
         }
         if self.tma {
@@ -280,6 +312,7 @@ impl TileConfig {
         let (m, n, k) = if family.lm_dims() { ("t", "v", "d") } else { ("m", "n", "k") };
         let wg = match (self.wgmma, self.tma, self.mn) {
             (true, true, true) => "_tma_mn",
+            (true, true, false) if self.tma_store => "_tma_st",
             (true, true, false) => "_tma",
             (true, false, _) => "_wg",
             _ => "",
@@ -326,10 +359,14 @@ pub mod fixed {
     /// Unit kernel: as `UNIT_WGMMA_N128` with B stored MN-major (`imm-trans-b`), descriptor
     /// offsets from the params.
     pub const UNIT_WGMMA_MN_N128: &str = "lm_head_unit_wgmma_mn_n128";
+    /// Unit kernel: one warpgroup stores two 64 × 64 tiles of known 16-bit patterns through the
+    /// `tma_store` d-logits epilogue (`stmatrix` into 128B-swizzled boxes, TMA store), so a test
+    /// can check the fragment layout, the swizzle and the clipping at the tensor's edges.
+    pub const UNIT_TMA_STORE: &str = "lm_head_unit_tma_store";
     /// Threads per block of the fixed kernels (the unit kernels run one warpgroup of them).
     pub const THREADS: u32 = 256;
     /// All fixed entry points.
-    pub const ALL: [&str; 11] = [
+    pub const ALL: [&str; 12] = [
         FWD_MERGE,
         FWD_ROW_STATE,
         FWD_RESCALE,
@@ -341,6 +378,7 @@ pub mod fixed {
         UNIT_WGMMA_N128,
         UNIT_WGMMA_N256,
         UNIT_WGMMA_MN_N128,
+        UNIT_TMA_STORE,
     ];
 }
 
@@ -381,6 +419,21 @@ mod tests {
         for f in Family::ALL {
             let has = f.candidates().iter().any(|c| c.mn);
             assert_eq!(has, matches!(f, Family::BwdDh | Family::BwdDw), "{f:?}: only the backward GEMMs read operands in place");
+        }
+    }
+
+    #[test]
+    fn tma_store_is_a_dlogits_option_that_fits_beside_the_ring() {
+        for c in [ts(256, 4), ts(128, 6), ts(256, 3)] {
+            assert!(c.is_well_formed(), "{c:?}");
+            assert_eq!(c.smem_bytes(), c.ring_bytes() + 1024 + TMA_STORE_BYTES, "ring, barriers in 1 KiB, then the boxes");
+            assert!(c.ring_bytes() % 1024 == 0, "the boxes must start 1024-byte aligned");
+        }
+        assert_eq!(kernel_name(Family::BwdDlogitsEnt, ts(256, 4)), "lm_head_bwd_dlogits_ent_t128_v256_d64_s4_w8x1_tma_st");
+        assert!(!TileConfig { tma_store: true, ..wg(2, 256, 4) }.is_well_formed(), "needs the warp-specialised kernel");
+        for f in Family::ALL {
+            let has = f.candidates().iter().any(|c| c.tma_store);
+            assert_eq!(has, matches!(f, Family::BwdDlogits | Family::BwdDlogitsEnt), "{f:?}: only the d-logits store a tile");
         }
     }
 
