@@ -622,12 +622,16 @@ impl StoreBoxes {
     /// packed bf16 pair of n8 tile `j`, rows `16·warp + lane/4 + 8·hh`, columns
     /// `8j + 2·(lane % 4)` and `+1` of the box (the `wgmma` / `mma` accumulator layout).
     ///
-    /// Order: the leader waits until the store that last read this box has read it
-    /// (`wait_group.read 1`: the other box's store may still run), a warpgroup barrier frees the
-    /// box, each warp writes its 16 rows with four `stmatrix.x4` (8 × 8 matrices: tiles `2j`,
-    /// `2j + 1` × row halves; the 16-byte chunk `c` of row `r` at `(c ^ r % 8)·16`, the 128-byte
-    /// swizzle the map names), each thread fences its writes into the async proxy, a second
-    /// barrier, and the leader issues the store and commits it.
+    /// Order: each thread waits until its store that last read this box has read it
+    /// (`wait_group.read 1`: the other box's store may still run; only the leader has bulk
+    /// groups, the others return at once), a warpgroup barrier frees the box, each warp writes
+    /// its 16 rows with four `stmatrix.x4` (8 × 8 matrices: tiles `2j`, `2j + 1` × row halves;
+    /// the 16-byte chunk `c` of row `r` at `(c ^ r % 8)·16`, the 128-byte swizzle the map names),
+    /// each thread fences its writes into the async proxy, a second barrier, and the leader
+    /// issues the store (a predicated instruction) and every thread commits its bulk group.
+    /// Nothing here branches on the leader: LLVM duplicated the code after such a branch into
+    /// both arms, splitting warp 0 across two copies of the `.aligned` `stmatrix` (a hang on the
+    /// H200 at `e00f6d5`).
     ///
     /// # Safety
     /// Called by all 128 threads of the warpgroup together, the same number of times; the boxes
@@ -638,13 +642,11 @@ impl StoreBoxes {
     #[inline(always)]
     pub(crate) unsafe fn store(&mut self, v: &[[u32; 2]; 8], col: u32, row: u32) {
         let bx = self.first + (self.next & 1) * BOX_BYTES;
-        if self.leader {
-            intrinsics::bulk_wait_read::<1>();
-        }
+        intrinsics::bulk_wait_read::<1>();
         let i = self.lane >> 3;
         let r = 16 * self.warp + 8 * (i & 1) + (self.lane & 7);
         // SAFETY: 128 threads of this warpgroup, same count (caller); the box is free (the
-        // leader's wait before the first barrier); every address is a 16-byte chunk of a row of
+        // leader's `wait_group.read` before the first barrier); every address is a 16-byte chunk of a row of
         // this 8 KiB box; the store reads the box only after every writer's proxy fence and the
         // second barrier.
         unsafe {
@@ -656,20 +658,17 @@ impl StoreBoxes {
             });
             intrinsics::fence_proxy_async_shared();
             intrinsics::named_barrier_id(self.bar, 128);
-            if self.leader {
-                intrinsics::tma_store_2d(self.map, bx, col as i32, row as i32);
-                intrinsics::bulk_commit();
-            }
+            intrinsics::tma_store_2d(self.map, bx, col as i32, row as i32, self.leader);
         }
+        intrinsics::bulk_commit();
         self.next += 1;
     }
 
-    /// Wait until every store has written global memory (before the block exits).
+    /// Wait until every store has written global memory (before the block exits; threads
+    /// other than the leader have only empty groups).
     #[inline(always)]
     pub(crate) fn drain(&self) {
-        if self.leader {
-            intrinsics::bulk_wait::<0>();
-        }
+        intrinsics::bulk_wait::<0>();
     }
 }
 

@@ -684,32 +684,40 @@ pub unsafe fn tma_load_2d(dst: SmemAddr, tmap: *const u8, c0: i32, c1: i32, mbar
     };
 }
 
-/// `cp.async.bulk.tensor.2d.global.shared::cta.bulk_group`: the tensor memory accelerator
-/// copies the box at `src` in shared memory (laid out as the map's swizzle says) to coordinates
-/// `(c0, c1)` (innermost first) of the tensor described by `tmap`, skipping out-of-bounds
-/// elements. The copy joins this thread's current bulk group ([`bulk_commit`]); the box may be
-/// rewritten only after [`bulk_wait_read`] covers that group.
+/// `cp.async.bulk.tensor.2d.global.shared::cta.bulk_group`, issued only by the threads whose
+/// `issue` is set (a predicate inside the instruction, not a branch: LLVM may duplicate the
+/// code after a branch into both arms, which would split a warp across two copies of the next
+/// `.aligned` instruction): the tensor memory accelerator copies the box at `src` in shared
+/// memory (laid out as the map's swizzle says) to coordinates `(c0, c1)` (innermost first) of
+/// the tensor described by `tmap`, skipping out-of-bounds elements. The copy joins the issuing
+/// thread's current bulk group ([`bulk_commit`]); the box may be rewritten only after
+/// [`bulk_wait_read`] covers that group.
 ///
 /// # Safety
-/// `tmap` must be the generic address of a valid tensor map in global memory whose tensor's
-/// in-bounds part is writable and written by nothing else while the copy runs; `src` must be a
-/// shared address aligned as the map's swizzle needs (1024 bytes for the 128-byte swizzle) with
-/// the box's bytes, written before a `fence.proxy.async.shared::cta` by each writing thread
-/// (ordered before this call by a barrier), and not rewritten until the group's reads complete;
-/// the block must not exit before [`bulk_wait`] covers the group.
+/// For an issuing thread: `tmap` must be the generic address of a valid tensor map in global
+/// memory whose tensor's in-bounds part is writable and written by nothing else while the copy
+/// runs; `src` must be a shared address aligned as the map's swizzle needs (1024 bytes for the
+/// 128-byte swizzle) with the box's bytes, written before a `fence.proxy.async.shared::cta` by
+/// each writing thread (ordered before this call by a barrier), and not rewritten until the
+/// group's reads complete; the block must not exit before [`bulk_wait`] covers the group.
 #[inline(always)]
-pub unsafe fn tma_store_2d(tmap: *const u8, src: SmemAddr, c0: i32, c1: i32) {
+pub unsafe fn tma_store_2d(tmap: *const u8, src: SmemAddr, c0: i32, c1: i32, issue: bool) {
     // SAFETY: the caller guarantees the map, the source box and its lifetime.
     unsafe {
         asm!(
-            "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [{t}, {{{c0}, {c1}}}], [{s}];",
-            t = in(reg64) tmap, c0 = in(reg32) c0, c1 = in(reg32) c1, s = in(reg32) src,
+            "{{",
+            ".reg .pred p;",
+            "setp.ne.u32 p, {i}, 0;",
+            "@p cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [{t}, {{{c0}, {c1}}}], [{s}];",
+            "}}",
+            t = in(reg64) tmap, c0 = in(reg32) c0, c1 = in(reg32) c1, s = in(reg32) src, i = in(reg32) issue as u32,
             options(nostack)
         )
     };
 }
 
-/// `cp.async.bulk.commit_group`: closes the bulk group of this thread's bulk copies so far.
+/// `cp.async.bulk.commit_group`: closes the bulk group of this thread's bulk copies so far (an
+/// empty group for a thread that issued none; waiting on it returns at once).
 #[inline(always)]
 pub fn bulk_commit() {
     // SAFETY: committing (possibly empty) groups has no preconditions.
