@@ -16,7 +16,10 @@ fn main() {
             let (tma, mn) = (c.tma, c.mn);
             assert!(!mn || matches!(family, Family::BwdDh | Family::BwdDw), "{family:?} {c:?}: only the GEMMs read operands in place");
             let st = c.tma_store;
-            assert!(!st || matches!(family, Family::BwdDlogits | Family::BwdDlogitsEnt), "{family:?} {c:?}: only the d-logits store through TMA");
+            assert!(
+                !st || matches!(family, Family::BwdDlogits | Family::BwdDlogitsEnt),
+                "{family:?} {c:?}: only the d-logits store through TMA"
+            );
             let (params, call) = match family {
                 Family::Fwd if c.wgmma => ("LogitsParams", format!("hopper::fwd_wg::<{wg}, false, {tma}>")),
                 Family::FwdEnt if c.wgmma => ("LogitsParams", format!("hopper::fwd_wg::<{wg}, true, {tma}>")),

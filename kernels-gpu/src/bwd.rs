@@ -205,7 +205,14 @@ pub(crate) unsafe fn row_coeffs<const MI: usize, const ENT: bool>(p: &LogitsPara
 /// The bf16 d-logits of columns `c` and `c + 1` (relative to the chunk; zeros past it) of row
 /// `(mi, h)` of `co`, from their raw dot products, packed as [`intrinsics::pack_bf16x2`] does.
 #[inline(always)]
-pub(crate) fn dlogits_pair<const MI: usize, const ENT: bool>(p: &LogitsParams, co: &RowCoeffs<MI>, mi: usize, h: usize, c: u32, raw: [f32; 2]) -> u32 {
+pub(crate) fn dlogits_pair<const MI: usize, const ENT: bool>(
+    p: &LogitsParams,
+    co: &RowCoeffs<MI>,
+    mi: usize,
+    h: usize,
+    c: u32,
+    raw: [f32; 2],
+) -> u32 {
     let neg_lse2 = -co.lse2[mi][h];
     let mut g = [0.0f32; 2];
     unroll!(2, |e| {

@@ -747,7 +747,8 @@ pub unsafe fn dlogits_wg<
                     unroll!(8, |j| {
                         unroll!(2, |hh| {
                             let x = acc[nb][h][j];
-                            v[j][hh] = dlogits_pair::<1, ENT>(p, &coeffs, 0, hh, c0 + (8 * j) as u32 + 2 * (lane & 3), [x[2 * hh], x[2 * hh + 1]]);
+                            v[j][hh] =
+                                dlogits_pair::<1, ENT>(p, &coeffs, 0, hh, c0 + (8 * j) as u32 + 2 * (lane & 3), [x[2 * hh], x[2 * hh + 1]]);
                         });
                     });
                     // SAFETY: every consumer thread of the warpgroup runs each finish; the
