@@ -27,6 +27,7 @@ use crate::bwd::{dlogits_pair, row_coeffs, store_dlogits, store_gemm};
 use crate::fwd::{fold_tile, load_label, local_column, store_partials};
 use crate::intrinsics::{self, SmemAddr};
 use crate::mainloop::{self, Acc, Operand, WarpPos};
+use lmhead_core::config::{TMA_STORE_BYTES, TMA_STORE_GAP};
 use lmhead_core::lse::Lse2;
 use lmhead_core::params::{GemmParams, LogitsParams};
 use lmhead_core::wgmma::{desc_k_major_sw128, desc_mn_major_sw128};
@@ -188,6 +189,13 @@ impl TmaRing {
     #[inline(always)]
     fn stage(&self, s: u32) -> SmemAddr {
         self.ring + s * self.stage_bytes
+    }
+
+    /// The first output box of a `tma_store` kernel (`lmhead_core::config::TMA_STORE_GAP`
+    /// after the ring, past the mbarriers; 1024-byte aligned since the stages are).
+    #[inline(always)]
+    fn store_boxes(&self) -> SmemAddr {
+        self.bars + TMA_STORE_GAP as u32
     }
 }
 
@@ -733,7 +741,9 @@ pub unsafe fn dlogits_wg<
     let b = Operand { ptr: p.w as *const u16, stride: p.w_row_stride, mn_bound: p.v_chunk_begin + p.v_chunk, k_bound: p.d };
     let mut acc: WgAcc<NW> = [[[[0.0; 4]; 8]; 2]; NW];
     if TS {
-        let boxes = intrinsics::smem_base() + (ST * (BM + BN) * BK * 2) as u32 + 1024;
+        // The host's `TileConfig::smem_bytes` reserves exactly these boxes for the block.
+        const { assert!(!TS || WGM as u32 * 2 * BOX_BYTES == TMA_STORE_BYTES as u32) };
+        let boxes = TmaRing::new::<BM, BN, ST>().store_boxes();
         let mut out = StoreBoxes::new(boxes, (p.tmaps as *const u8).wrapping_add(256), tid);
         let row = m0 + 64 * (tid >> 7);
         let lane = tid & 31;

@@ -97,8 +97,13 @@ pub struct TileConfig {
 }
 
 /// Shared memory of a `tma_store` config's output boxes: two 64 × 64 bf16 boxes per consumer
-/// warpgroup. They start 1024 bytes after the ring (the mbarriers sit in that gap).
+/// warpgroup. They start [`TMA_STORE_GAP`] bytes after the ring.
 pub const TMA_STORE_BYTES: usize = 2 * 2 * 64 * 64 * 2;
+
+/// Bytes between the end of a `tma_store` config's ring and its output boxes: the mbarriers
+/// (`16 · stages` ≤ 128 bytes) sit there, and the boxes stay 1024-byte aligned as the 128-byte
+/// swizzle needs.
+pub const TMA_STORE_GAP: usize = 1024;
 
 const fn tc(bm: u16, bn: u16, bk: u16, stages: u8, warps_m: u8, warps_n: u8) -> TileConfig {
     TileConfig { bm, bn, bk, stages, warps_m, warps_n, wgmma: false, tma: false, mn: false, tma_store: false }
@@ -244,7 +249,7 @@ impl TileConfig {
     /// reduction after the mainloop; a TMA config keeps its `2 · stages` mbarriers after the ring).
     pub const fn smem_bytes(self) -> usize {
         let a = if self.tma_store {
-            self.ring_bytes() + 1024 + TMA_STORE_BYTES
+            self.ring_bytes() + TMA_STORE_GAP + TMA_STORE_BYTES
         } else {
             self.ring_bytes() + if self.tma { 16 * self.stages as usize } else { 0 }
         };
@@ -426,7 +431,8 @@ mod tests {
     fn tma_store_is_a_dlogits_option_that_fits_beside_the_ring() {
         for c in [ts(256, 4), ts(128, 6), ts(256, 3)] {
             assert!(c.is_well_formed(), "{c:?}");
-            assert_eq!(c.smem_bytes(), c.ring_bytes() + 1024 + TMA_STORE_BYTES, "ring, barriers in 1 KiB, then the boxes");
+            assert_eq!(c.smem_bytes(), c.ring_bytes() + TMA_STORE_GAP + TMA_STORE_BYTES, "ring, barriers in the gap, then the boxes");
+            assert!(16 * c.stages as usize <= TMA_STORE_GAP && TMA_STORE_GAP.is_multiple_of(1024));
             assert!(c.ring_bytes() % 1024 == 0, "the boxes must start 1024-byte aligned");
         }
         assert_eq!(kernel_name(Family::BwdDlogitsEnt, ts(256, 4)), "lm_head_bwd_dlogits_ent_t128_v256_d64_s4_w8x1_tma_st");
