@@ -1,15 +1,16 @@
-//! Embeds the kernels' PTX: builds `kernels-gpu` with the nightly toolchain (through
-//! `lmhead-build`, the same builder as `cargo xtask build-ptx`) into `$OUT_DIR/kernels.ptx`.
+//! Embeds the kernels: builds `kernels-gpu` with the nightly toolchain (through `lmhead-build`,
+//! the same builder as `cargo xtask build-ptx`) into `$OUT_DIR/kernels.ptx`, and assembles it
+//! with the pinned ptxas into `$OUT_DIR/kernels.cubin`.
 //!
 //! The nightly is `LMHEAD_NIGHTLY` (default `nightly`); its `rust-src` and `llvm-tools`
-//! components are installed if missing. `LMHEAD_PTX=<file>` embeds a prebuilt PTX instead
-//! (for machines without the nightly).
+//! components are installed if missing. `LMHEAD_PTX=<file>` embeds a prebuilt PTX instead.
 //!
-//! When `ptxas` is available (`LMHEAD_PTXAS`, or `.tools/ptxas` as `cargo xtask setup` installs
-//! it) the PTX is also assembled for sm_90a and the cubin embedded: the library then loads
-//! machine code without any JIT (fast first calls; and the CUDA 13.0 driver's JIT rejects the
-//! `wgmma` kernels that ptxas 13.5 assembles). Without ptxas, `$OUT_DIR/kernels.cubin` is empty
-//! and the kernels are JIT-compiled from the PTX.
+//! The cubin is not optional: the library loads machine code, not PTX, unless asked otherwise.
+//! ptxas is `LMHEAD_PTXAS`, else `.tools/ptxas`, else installed there on demand from the pinned
+//! PyPI wheel (`lmhead_build::PTXAS_WHEEL`, as `cargo xtask setup` does). If none can be had or
+//! it fails, the build fails and says how to fix it. `LMHEAD_ALLOW_JIT=1` is the explicit
+//! opt-out: a PTX-only build (the driver JIT-compiles the kernels on first use), with a cargo
+//! warning.
 
 use std::path::PathBuf;
 
@@ -23,6 +24,7 @@ fn main() {
     println!("cargo:rerun-if-env-changed=LMHEAD_PTX");
     println!("cargo:rerun-if-env-changed=LMHEAD_NIGHTLY");
     println!("cargo:rerun-if-env-changed=LMHEAD_PTXAS");
+    println!("cargo:rerun-if-env-changed=LMHEAD_TOOLS_DIR");
     let paths = lmhead_build::Paths::new(&root);
     println!("cargo:rerun-if-changed={}", paths.tools_dir().join("ptxas").display());
     if let Ok(prebuilt) = std::env::var("LMHEAD_PTX") {
@@ -38,17 +40,26 @@ fn main() {
         }
     }
     let cubin = out.with_extension("cubin");
-    let assembled = match lmhead_build::ptxas(&paths, false) {
-        Ok(Some(ptxas)) => match lmhead_build::assemble(&ptxas, &out, &cubin) {
-            Ok(_) => true,
-            Err(e) => {
-                println!("cargo:warning=ptxas failed, embedding PTX only (kernels will be JIT-compiled): {e}");
-                false
-            }
-        },
-        _ => false,
-    };
-    if !assembled {
+    println!("cargo:rerun-if-env-changed=LMHEAD_ALLOW_JIT");
+    if std::env::var("LMHEAD_ALLOW_JIT").is_ok_and(|v| v == "1") {
+        println!(
+            "cargo:warning=LMHEAD_ALLOW_JIT=1: no cubin embedded; the driver will JIT-compile the kernels from PTX on first use (slower first calls)"
+        );
         std::fs::write(&cubin, []).unwrap();
+        return;
+    }
+    let fix = "Fix: let the build reach PyPI once (it installs the pinned ptxas into .tools/), or run `cargo xtask setup`, \
+               or set LMHEAD_PTXAS=<path to ptxas 13.x>, or set LMHEAD_ALLOW_JIT=1 for a PTX-only build";
+    let ptxas = match lmhead_build::ptxas(&paths, true) {
+        Ok(Some(p)) => p,
+        Ok(None) => panic!("no ptxas found to assemble the kernels for {}.\n{fix}", lmhead_build::ARCH),
+        Err(e) => panic!("installing ptxas ({}) failed:\n{e}\n{fix}", lmhead_build::PTXAS_WHEEL),
+    };
+    if let Err(e) = lmhead_build::assemble(&ptxas, &out, &cubin) {
+        panic!("ptxas ({}) failed on the kernels:\n{e}\n{fix}", ptxas.display());
+    }
+    let n = std::fs::metadata(&cubin).map(|m| m.len()).unwrap_or(0);
+    if n == 0 {
+        panic!("ptxas ({}) wrote an empty cubin.\n{fix}", ptxas.display());
     }
 }

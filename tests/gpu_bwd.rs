@@ -125,7 +125,7 @@ fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &BwdCase, seed: u64) -> Strin
     let opts = BwdOptions { temperature: temp, chunk: c.chunk, config: c.config, ..Default::default() };
     let dh_out = if c.dh_f32 { GradOut::F32(&mut dh32) } else { GradOut::Bf16(&mut dh16) };
     let dw_out = if c.dw_f32 { GradOut::F32(&mut dw32) } else { GradOut::Bf16(&mut dw16) };
-    let rep = head.backward(stream, &x, &opts, dh_out, dw_out).unwrap_or_else(|e| panic!("backward failed [{desc}]: {e}"));
+    let rep = head.backward(stream, &x, &opts, dh_out, Some(dw_out)).unwrap_or_else(|e| panic!("backward failed [{desc}]: {e}"));
     let gdh = if c.dh_f32 { download_f32(stream, &dh32).unwrap() } else { download_bf16(stream, &dh16).unwrap() };
     let gdw = if c.dw_f32 { download_f32(stream, &dw32).unwrap() } else { download_bf16(stream, &dw16).unwrap() };
 
@@ -163,7 +163,7 @@ fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &BwdCase, seed: u64) -> Strin
         rep.chunks,
         lmhead_core::config::kernel_name(if use_ent { Family::BwdDlogitsEnt } else { Family::BwdDlogits }, rep.dlogits),
         rep.dh.suffix(Family::BwdDh),
-        rep.dw.suffix(Family::BwdDw),
+        rep.dw.expect("dW asked for").suffix(Family::BwdDw),
         cdh.rel_l2,
         cdw.rel_l2,
         rows.len(),
@@ -339,7 +339,7 @@ fn deterministic() {
         let x =
             BwdInputs { h: &h, w: &w, labels: &labels, lse: &lse, entropy: None, grad_logprob: Some(&gl), grad_entropy: None, problem: p };
         let opts = BwdOptions { chunk: Some(1000), config: BwdConfigs::all(Choice::Fallback), ..Default::default() };
-        head.backward(&stream, &x, &opts, GradOut::Bf16(&mut dh), GradOut::Bf16(&mut dw)).unwrap();
+        head.backward(&stream, &x, &opts, GradOut::Bf16(&mut dh), Some(GradOut::Bf16(&mut dw))).unwrap();
         outs.push((stream.clone_dtoh(&dh).unwrap(), stream.clone_dtoh(&dw).unwrap()));
     }
     assert!(outs[0].0.iter().zip(&outs[1].0).all(|(a, b)| a.to_bits() == b.to_bits()), "dh differs between runs");

@@ -147,17 +147,17 @@ fn bad_inputs_are_typed_errors_and_leave_buffers_untouched() {
         grad_entropy: Some(&g),
         problem: p,
     };
-    let r = head.backward(&stream, &bx, &BwdOptions::default(), GradOut::Bf16(&mut dh), GradOut::Bf16(&mut dw));
+    let r = head.backward(&stream, &bx, &BwdOptions::default(), GradOut::Bf16(&mut dh), Some(GradOut::Bf16(&mut dw)));
     assert!(matches!(r, Err(Error::Invalid(_))), "{r:?}");
     let bx = BwdInputs { grad_entropy: None, grad_logprob: Some(&g), ..bx };
     let r =
-        head.backward(&stream, &bx, &BwdOptions { chunk: Some(0), ..Default::default() }, GradOut::Bf16(&mut dh), GradOut::Bf16(&mut dw));
+        head.backward(&stream, &bx, &BwdOptions { chunk: Some(0), ..Default::default() }, GradOut::Bf16(&mut dh), Some(GradOut::Bf16(&mut dw)));
     assert!(matches!(r, Err(Error::Invalid(_))), "{r:?}");
     let host = stream.clone_dtoh(&dh).unwrap();
     assert!(host.iter().all(|x| x.is_nan()), "dh written by a failed call");
     // dh of the wrong length.
     let mut dh_short: CudaSlice<bf16> = stream.alloc_zeros(t * d - 1).unwrap();
-    let r = head.backward(&stream, &bx, &BwdOptions::default(), GradOut::Bf16(&mut dh_short), GradOut::Bf16(&mut dw));
+    let r = head.backward(&stream, &bx, &BwdOptions::default(), GradOut::Bf16(&mut dh_short), Some(GradOut::Bf16(&mut dw)));
     assert!(matches!(r, Err(Error::Length { what: "dh", .. })), "{r:?}");
 }
 
@@ -249,10 +249,10 @@ fn out_of_memory_is_an_error() {
         problem: Problem::new(t, v, d),
     };
     let bo = BwdOptions { config: BwdConfigs::all(Choice::Fallback), ..Default::default() };
-    let r = head.backward(&stream, &bx, &bo, GradOut::Bf16(&mut dh), GradOut::Bf16(&mut dw));
+    let r = head.backward(&stream, &bx, &bo, GradOut::Bf16(&mut dh), Some(GradOut::Bf16(&mut dw)));
     assert!(matches!(r, Err(Error::OutOfMemory { .. })), "{r:?}");
     drop(hog);
-    head.backward(&stream, &bx, &bo, GradOut::Bf16(&mut dh), GradOut::Bf16(&mut dw)).expect("works again once memory is free");
+    head.backward(&stream, &bx, &bo, GradOut::Bf16(&mut dh), Some(GradOut::Bf16(&mut dw))).expect("works again once memory is free");
 }
 
 /// Fast random bf16 in parallel (large shapes): N(0,1)·scale approximately.
@@ -322,7 +322,7 @@ fn large_indices_past_2_pow_31() {
         poison(&stream, &mut dw).unwrap();
         let bx = BwdInputs { h: &h, w: &w, labels: &lab, lse: &lse, entropy: None, grad_logprob: Some(&g), grad_entropy: None, problem: p };
         let bo = BwdOptions { chunk: Some(chunk), config: BwdConfigs::all(Choice::Fallback), ..Default::default() };
-        head.backward(&stream, &bx, &bo, GradOut::Bf16(&mut dh), GradOut::F32(&mut dw)).unwrap();
+        head.backward(&stream, &bx, &bo, GradOut::Bf16(&mut dh), Some(GradOut::F32(&mut dw))).unwrap();
         let gdw = download_f32(&stream, &dw).unwrap();
         let vrows = [0, v / 2, v - 2, v - 1];
         let ones = vec![1.0f64; t];
@@ -374,11 +374,11 @@ fn sanitizer_every_kernel_at_tail_shapes() {
         if f32_out {
             let mut dh: CudaSlice<f32> = stream.alloc_zeros(t * d).unwrap();
             let mut dw: CudaSlice<f32> = stream.alloc_zeros(v * d).unwrap();
-            head.backward(&stream, &bx, &bo, GradOut::F32(&mut dh), GradOut::F32(&mut dw)).unwrap();
+            head.backward(&stream, &bx, &bo, GradOut::F32(&mut dh), Some(GradOut::F32(&mut dw))).unwrap();
         } else {
             let mut dh: CudaSlice<bf16> = stream.alloc_zeros(t * d).unwrap();
             let mut dw: CudaSlice<bf16> = stream.alloc_zeros(v * d).unwrap();
-            head.backward(&stream, &bx, &bo, GradOut::Bf16(&mut dh), GradOut::Bf16(&mut dw)).unwrap();
+            head.backward(&stream, &bx, &bo, GradOut::Bf16(&mut dh), Some(GradOut::Bf16(&mut dw))).unwrap();
         }
     };
     for &c in Family::BwdDlogitsEnt.candidates() {
@@ -432,7 +432,7 @@ fn sanitizer_every_kernel_at_tail_shapes() {
                     lmhead::ReduceDh::AllReduce,
                     &bo,
                     GradOut::Bf16(&mut dh),
-                    GradOut::Bf16(&mut dw),
+                    Some(GradOut::Bf16(&mut dw)),
                 )
                 .unwrap();
                 stream.synchronize().unwrap();
@@ -513,7 +513,7 @@ fn tuning_never_touches_caller_buffers_and_agrees_with_fallback() {
             problem: p,
         };
         let rep = head
-            .backward(&stream, &bx, &BwdOptions { config: cfg, ..Default::default() }, GradOut::F32(&mut dh), GradOut::F32(&mut dw))
+            .backward(&stream, &bx, &BwdOptions { config: cfg, ..Default::default() }, GradOut::F32(&mut dh), Some(GradOut::F32(&mut dw)))
             .unwrap();
         (download_f32(&stream, &dh).unwrap(), download_f32(&stream, &dw).unwrap(), rep)
     };

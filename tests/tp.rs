@@ -87,8 +87,8 @@ fn run_rank(
         _ => BwdOptions { config: BwdConfigs::all(config), ..Default::default() },
     };
     match comm {
-        Some(c) => head.backward_tp(c, stream, &bx, shard, reduce, &bo, GradOut::F32(&mut dh), GradOut::F32(&mut dw)),
-        None => head.backward(stream, &bx, &bo, GradOut::F32(&mut dh), GradOut::F32(&mut dw)),
+        Some(c) => head.backward_tp(c, stream, &bx, shard, reduce, &bo, GradOut::F32(&mut dh), Some(GradOut::F32(&mut dw))),
+        None => head.backward(stream, &bx, &bo, GradOut::F32(&mut dh), Some(GradOut::F32(&mut dw))),
     }
     .unwrap();
     Outs {

@@ -51,7 +51,7 @@ fn gpu_demo(head: &LmHead) -> Result<(), String> {
         problem: p,
     };
     let t1 = Instant::now();
-    let brep = head.backward(&stream, &bx, &BwdOptions::default(), GradOut::Bf16(&mut dh), GradOut::Bf16(&mut dw)).map_err(e)?;
+    let brep = head.backward(&stream, &bx, &BwdOptions::default(), GradOut::Bf16(&mut dh), Some(GradOut::Bf16(&mut dw))).map_err(e)?;
     stream.synchronize().unwrap();
     println!(
         "backward: {:.1} ms wall, {} chunk(s) of {} columns, workspace {} MiB",

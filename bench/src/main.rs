@@ -171,12 +171,12 @@ fn measure(head: &LmHead, stream: &Arc<CudaStream>, c: &Case, args: &Args, seed:
             grad_entropy: Some(&ge),
             problem: p,
         };
-        let r = head.backward(stream, &bx, &bo, GradOut::Bf16(dh), GradOut::Bf16(dw))?;
+        let r = head.backward(stream, &bx, &bo, GradOut::Bf16(dh), Some(GradOut::Bf16(dw)))?;
         bwd_cfg = format!(
             "{}|{}|{}{}",
             r.dlogits.suffix(lmhead::Family::BwdDlogitsEnt),
             r.dh.suffix(lmhead::Family::BwdDh),
-            r.dw.suffix(lmhead::Family::BwdDw),
+            r.dw.expect("dW asked for").suffix(lmhead::Family::BwdDw),
             // The chunk width, when the vocab took more than one (records before the automatic
             // width only named widths other than 8192).
             if r.chunks == 1 { String::new() } else { format!(" chunk {}", r.chunk) }

@@ -186,9 +186,9 @@ fn run_rank(
                 };
                 match tp {
                     Some(c) => {
-                        head.backward_tp(c, stream, &bx, shard, ReduceDh::AllReduce, &bo, GradOut::Bf16(&mut dh), GradOut::Bf16(&mut dw))
+                        head.backward_tp(c, stream, &bx, shard, ReduceDh::AllReduce, &bo, GradOut::Bf16(&mut dh), Some(GradOut::Bf16(&mut dw)))
                     }
-                    None => head.backward(stream, &bx, &bo, GradOut::Bf16(&mut dh), GradOut::Bf16(&mut dw)),
+                    None => head.backward(stream, &bx, &bo, GradOut::Bf16(&mut dh), Some(GradOut::Bf16(&mut dw))),
                 }
                 .map(drop)
             }

@@ -25,10 +25,10 @@ use lmhead_core::config::{Family, TileConfig};
 use lmhead_core::Problem;
 
 use crate::error::{Context as _, Error, Result};
-use crate::fwd::check_temperature;
 use crate::launch::{self, dev_in, dev_out, Dev, Dims, GemmOut, Labels, Scalars};
 use crate::tp::{Communicator, ReduceDh, ReduceOp, Shard};
 use crate::tune::{Choice, TuneKey};
+use crate::validate;
 use crate::{bf16, LabelType, LmHead};
 
 /// The staging buffer the automatic chunk width aims for: `t · S` bf16 within 512 MiB.
@@ -123,7 +123,8 @@ impl Default for BwdOptions {
 pub struct BwdReport {
     pub dlogits: TileConfig,
     pub dh: TileConfig,
-    pub dw: TileConfig,
+    /// `None` when `dW` was not asked for.
+    pub dw: Option<TileConfig>,
     pub chunk: usize,
     pub chunks: usize,
     /// Bytes of workspace the call used (staging + accumulator).
@@ -140,6 +141,17 @@ struct Out<'a> {
     f32: bool,
 }
 
+/// The validated inputs of a backward call, as device buffers.
+#[derive(Clone, Copy)]
+struct BwdDev<'a, 'b> {
+    h: &'b Dev<'a>,
+    w: &'b Dev<'a>,
+    labels: &'b Labels<'a>,
+    lse: &'b Dev<'a>,
+    gl: Option<&'b Dev<'a>>,
+    ent: Option<(&'b Dev<'a>, &'b Dev<'a>)>,
+}
+
 fn grad_out<'a>(g: &'a mut GradOut<'_>, stream: &'a CudaStream, what: &'static str) -> Result<Out<'a>> {
     Ok(match g {
         GradOut::Bf16(b) => Out { dev: dev_out(&mut **b, stream, what)?, f32: false },
@@ -149,13 +161,14 @@ fn grad_out<'a>(g: &'a mut GradOut<'_>, stream: &'a CudaStream, what: &'static s
 
 impl LmHead {
     /// The backward. Either upstream gradient may be absent (both absent: zero gradients).
+    /// `dw: None` skips the `dW` GEMM and its tuning (a frozen output embedding, LoRA).
     pub fn backward<L: LabelType>(
         &self,
         stream: &Arc<CudaStream>,
         x: &BwdInputs<'_, L>,
         opts: &BwdOptions,
         dh: GradOut<'_>,
-        dw: GradOut<'_>,
+        dw: Option<GradOut<'_>>,
     ) -> Result<BwdReport> {
         self.backward_impl(stream, x, Shard::whole(x.problem.v), None, opts, dh, dw)
     }
@@ -174,7 +187,7 @@ impl LmHead {
         reduce: ReduceDh,
         opts: &BwdOptions,
         dh: GradOut<'_>,
-        dw: GradOut<'_>,
+        dw: Option<GradOut<'_>>,
     ) -> Result<BwdReport> {
         let comm = (reduce == ReduceDh::AllReduce).then_some(comm);
         self.backward_impl(stream, x, shard, comm, opts, dh, dw)
@@ -189,37 +202,46 @@ impl LmHead {
         reduce_dh: Option<&dyn Communicator>,
         opts: &BwdOptions,
         mut dh: GradOut<'_>,
-        mut dw: GradOut<'_>,
+        mut dw: Option<GradOut<'_>>,
     ) -> Result<BwdReport> {
         let p = x.problem;
-        p.check()?;
-        shard.check(p.v)?;
-        let inv_temp = check_temperature(opts.temperature)?;
         self.check_stream(stream)?;
-        if x.grad_entropy.is_some() && x.entropy.is_none() {
-            return Err(Error::Invalid("an entropy gradient needs the entropy saved by the forward".into()));
-        }
-        if opts.chunk == Some(0) {
-            return Err(Error::Invalid("chunk width must be ≥ 1".into()));
-        }
-        let sc = Scalars { inv_temp, ignore_index: opts.ignore_index, v_begin: shard.v_begin as i64 };
         let h = dev_in(x.h, stream, "h")?;
         let w = dev_in(x.w, stream, "W")?;
         let labels = L::labels(x.labels, stream)?;
         let lse = dev_in(x.lse, stream, "lse")?;
+        let entropy = x.entropy.map(|e| dev_in(e, stream, "entropy")).transpose()?;
         let gl = x.grad_logprob.map(|g| dev_in(g, stream, "grad_logprob")).transpose()?;
-        let ent = match (x.grad_entropy, x.entropy) {
-            (Some(g), Some(e)) => Some((dev_in(g, stream, "grad_entropy")?, dev_in(e, stream, "entropy")?)),
+        let ge = x.grad_entropy.map(|g| dev_in(g, stream, "grad_entropy")).transpose()?;
+        let dh = grad_out(&mut dh, stream, "dh")?;
+        let dw = match dw.as_mut() {
+            Some(g) => Some(grad_out(g, stream, "dW")?),
+            None => None,
+        };
+        // Everything about the call is checked here, before the tuner or any launch.
+        let call = validate::BwdCall {
+            problem: p,
+            shard,
+            h: h.buf(2),
+            w: w.buf(2),
+            labels: labels.buf(),
+            lse: lse.buf(4),
+            entropy: entropy.as_ref().map(|e| e.buf(4)),
+            grad_logprob: gl.as_ref().map(|g| g.buf(4)),
+            grad_entropy: ge.as_ref().map(|g| g.buf(4)),
+            dh: dh.dev.buf(if dh.f32 { 4 } else { 2 }),
+            dw: dw.as_ref().map(|o| o.dev.buf(if o.f32 { 4 } else { 2 })),
+        };
+        let inv_temp = validate::bwd(&call, opts)?;
+        let sc = Scalars { inv_temp, ignore_index: opts.ignore_index, v_begin: shard.v_begin as i64 };
+        let ent = match (ge, entropy) {
+            (Some(g), Some(e)) => Some((g, e)),
             _ => None,
         };
-        let dh = grad_out(&mut dh, stream, "dh")?;
-        let dw = grad_out(&mut dw, stream, "dW")?;
-        dh.dev.check_exact(p.t * p.d, if dh.f32 { 8 } else { 4 })?;
-        dw.dev.check_exact(p.v * p.d, if dw.f32 { 8 } else { 4 })?;
-        self.backward_dev(stream, p, sc, opts, reduce_dh, &h, &w, &labels, &lse, gl.as_ref(), ent.as_ref().map(|(a, b)| (a, b)), &dh, &dw)
+        let x = BwdDev { h: &h, w: &w, labels: &labels, lse: &lse, gl: gl.as_ref(), ent: ent.as_ref().map(|(a, b)| (a, b)) };
+        self.backward_dev(stream, p, sc, opts, reduce_dh, &x, &dh, dw.as_ref())
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn backward_dev(
         &self,
         stream: &Arc<CudaStream>,
@@ -227,22 +249,18 @@ impl LmHead {
         sc: Scalars,
         opts: &BwdOptions,
         reduce_dh: Option<&dyn Communicator>,
-        h: &Dev,
-        w: &Dev,
-        labels: &Labels,
-        lse: &Dev,
-        gl: Option<&Dev>,
-        ent: Option<(&Dev, &Dev)>,
+        x: &BwdDev,
         dh: &Out,
-        dw: &Out,
+        dw: Option<&Out>,
     ) -> Result<BwdReport> {
+        let BwdDev { h, w, labels, lse, gl, ent } = *x;
         let dims = Dims { t: p.t, v: p.v, d: p.d };
         let chunk = opts.chunk.unwrap_or_else(|| auto_chunk(p.t, p.d)).min(p.v);
         let stride = stride_of(chunk);
         let chunks = p.v.div_ceil(chunk);
         let fam_dl = if ent.is_some() { Family::BwdDlogitsEnt } else { Family::BwdDlogits };
         let tp = sc.v_begin != 0 || reduce_dh.is_some();
-        let (cfg_dl, cfg_dh, cfg_dw) = self.bwd_configs(stream, opts.config, p, chunk, fam_dl, sc, tp, (h, w, labels, lse, gl, ent))?;
+        let (cfg_dl, cfg_dh, cfg_dw) = self.bwd_configs(stream, opts.config, p, chunk, fam_dl, sc, tp, x, dw.is_some())?;
         let mut guard = self.ws.lock().unwrap();
         {
             let ws = &mut *guard;
@@ -254,7 +272,7 @@ impl LmHead {
                 true => Some(dev_out(ws.w_chunk_t.get(stream, p.d * stride)?, stream, "transposed W chunk")?),
                 false => None,
             };
-            let (st_t, ht) = match cfg_dw.reads_k_major_copies() {
+            let (st_t, ht) = match dw.is_some() && cfg_dw.reads_k_major_copies() {
                 true => (
                     Some(dev_out(ws.staging_t.get(stream, chunk * t8)?, stream, "transposed staging")?),
                     Some(dev_out(ws.h_t.get(stream, p.d * t8)?, stream, "transposed h")?),
@@ -262,7 +280,9 @@ impl LmHead {
                 false => (None, None),
             };
             let g = Gemms { gpu: &self.gpu, stream, p, stride, w, h, wt: wt.as_ref(), st_t: st_t.as_ref(), ht: ht.as_ref() };
-            g.prepare(cfg_dw)?;
+            if dw.is_some() {
+                g.prepare(cfg_dw)?;
+            }
             // The f32 accumulator of dh: the caller's buffer when f32, else the workspace's
             // (not needed for a single chunk written straight to bf16 without reduction).
             let reduce_bf16 = reduce_dh.is_some() && !dh.f32;
@@ -286,9 +306,11 @@ impl LmHead {
                 let out = straight_to_bf16.then_some(&dh.dev);
                 g.dh(cfg_dh, (c0, cw), &staging, Some(acc), out, mode)?;
                 // dW[c0 .. c0 + cw] = staging[:, :cw]ᵀ · h
-                let elem = if dw.f32 { 4 } else { 2 };
-                let dw_chunk = dw.dev.sub(c0 * p.d, cw * p.d, elem)?;
-                g.dw(cfg_dw, cw, &staging, &dw_chunk, GemmOut { accumulate: false, write_acc: false, out_f32: dw.f32 })?;
+                if let Some(dw) = dw {
+                    let elem = if dw.f32 { 4 } else { 2 };
+                    let dw_chunk = dw.dev.sub(c0 * p.d, cw * p.d, elem)?;
+                    g.dw(cfg_dw, cw, &staging, &dw_chunk, GemmOut { accumulate: false, write_acc: false, out_f32: dw.f32 })?;
+                }
             }
             if let Some(comm) = reduce_dh {
                 // Tensor parallel: every rank's partial dh, summed in f32, then rounded.
@@ -300,11 +322,12 @@ impl LmHead {
         }
         let workspace_bytes =
             guard.staging.bytes() + guard.dh_acc.bytes() + guard.staging_t.bytes() + guard.w_chunk_t.bytes() + guard.h_t.bytes();
-        Ok(BwdReport { dlogits: cfg_dl, dh: cfg_dh, dw: cfg_dw, chunk, chunks, workspace_bytes })
+        Ok(BwdReport { dlogits: cfg_dl, dh: cfg_dh, dw: dw.map(|_| cfg_dw), chunk, chunks, workspace_bytes })
     }
 
-    /// Configs of the three backward kernels. Tuning trials write only scratch buffers.
-    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
+    /// Configs of the three backward kernels (the `dW` one is the fallback, untuned, when
+    /// `with_dw` is false). Tuning trials write only scratch buffers.
+    #[allow(clippy::too_many_arguments)]
     fn bwd_configs(
         &self,
         stream: &Arc<CudaStream>,
@@ -314,8 +337,11 @@ impl LmHead {
         fam_dl: Family,
         sc: Scalars,
         tp: bool,
-        (h, w, labels, lse, gl, ent): (&Dev, &Dev, &Labels, &Dev, Option<&Dev>, Option<(&Dev, &Dev)>),
+        x: &BwdDev,
+        with_dw: bool,
     ) -> Result<(TileConfig, TileConfig, TileConfig)> {
+        let BwdDev { h, w, labels, lse, gl, ent } = *x;
+        let choice = if with_dw { choice } else { BwdConfigs { dw: Choice::Fallback, ..choice } };
         let stride = stride_of(chunk);
         let dims = Dims { t: p.t, v: p.v, d: p.d };
         let chunk_problem = Problem::new(p.t, chunk, p.d);

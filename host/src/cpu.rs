@@ -6,7 +6,9 @@ use lmhead_reference as reference;
 
 use crate::bwd::BwdOptions;
 use crate::error::{Error, Result};
-use crate::fwd::{check_temperature, FwdOptions};
+use crate::tp::{ReduceOp, Shard};
+use crate::fwd::FwdOptions;
+use crate::validate::temperature as check_temperature;
 
 /// Forward outputs on the host.
 #[derive(Clone, Debug, PartialEq)]
@@ -28,18 +30,44 @@ fn bits(x: &[half::bf16]) -> Vec<u16> {
 }
 
 fn validate(h: &[half::bf16], w: &[half::bf16], labels: &[i64], p: Problem, temperature: f32, ignore_index: i64) -> Result<()> {
+    validate_shard(h, w, labels, p, Shard::whole(p.v), temperature, ignore_index)
+}
+
+fn validate_shard(
+    h: &[half::bf16],
+    w: &[half::bf16],
+    labels: &[i64],
+    p: Problem,
+    shard: Shard,
+    temperature: f32,
+    ignore_index: i64,
+) -> Result<()> {
     p.check()?;
+    shard.check(p.v)?;
     check_temperature(temperature)?;
     check_len("h", h.len(), p.t * p.d)?;
     check_len("W", w.len(), p.v * p.d)?;
     check_len("labels", labels.len(), p.t)?;
-    if let Some((row, &l)) = labels.iter().enumerate().find(|(_, &l)| l != ignore_index && (l < 0 || l >= p.v as i64)) {
+    let v_total = shard.v_total as i64;
+    if let Some((row, &l)) = labels.iter().enumerate().find(|(_, &l)| l != ignore_index && (l < 0 || l >= v_total)) {
         return Err(Error::BadLabel { row: Some(row), label: Some(l) });
     }
     Ok(())
 }
 
 fn inputs<'a>(h: &'a [u16], w: &'a [u16], labels: &'a [i64], p: Problem, temperature: f32, ignore_index: i64) -> reference::Inputs<'a> {
+    shard_inputs(h, w, labels, p, Shard::whole(p.v), temperature, ignore_index)
+}
+
+fn shard_inputs<'a>(
+    h: &'a [u16],
+    w: &'a [u16],
+    labels: &'a [i64],
+    p: Problem,
+    shard: Shard,
+    temperature: f32,
+    ignore_index: i64,
+) -> reference::Inputs<'a> {
     reference::Inputs {
         h,
         w,
@@ -47,8 +75,8 @@ fn inputs<'a>(h: &'a [u16], w: &'a [u16], labels: &'a [i64], p: Problem, tempera
         t: p.t,
         v: p.v,
         d: p.d,
-        v_begin: 0,
-        v_total: p.v as i64,
+        v_begin: shard.v_begin as i64,
+        v_total: shard.v_total as i64,
         temperature: temperature as f64,
         ignore_index,
     }
@@ -95,6 +123,98 @@ pub fn backward(
     let ge = grad_entropy.map(f64s);
     let g = reference::Grads { logprob: gl.as_deref(), entropy: ge.as_deref() };
     let r = reference::backward(&inp, &lse, &ent, &g);
+    let f = |v: Vec<f64>| v.into_iter().map(|x| x as f32).collect::<Vec<_>>();
+    Ok((f(r.dh), f(r.dw)))
+}
+
+/// An all-reduce over host `f64` buffers, for [`forward_tp`] and [`backward_tp`] (the Python
+/// package implements it with `torch.distributed`; tests with threads).
+pub trait HostComm {
+    /// In-place all-reduce of `buf` across the group; every rank calls it with the same length
+    /// and op.
+    fn all_reduce(&self, buf: &mut [f64], op: ReduceOp) -> Result<()>;
+}
+
+/// The tensor-parallel forward on the CPU, with the GPU's protocol: this rank's `w` holds the
+/// vocab rows `[shard.v_begin, shard.v_begin + p.v)`, labels are global. Each row's base-2
+/// state `(m, s, t)` and label logit over the shard; all-reduce MAX of `m`; rescale; all-reduce
+/// SUM of `(s, t, z_label)`; finish. Every rank returns the same outputs.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_tp(
+    comm: &dyn HostComm,
+    h: &[half::bf16],
+    w: &[half::bf16],
+    labels: &[i64],
+    p: Problem,
+    shard: Shard,
+    opts: &FwdOptions,
+    entropy: bool,
+) -> Result<CpuFwd> {
+    validate_shard(h, w, labels, p, shard, opts.temperature, opts.ignore_index)?;
+    let (hb, wb) = (bits(h), bits(w));
+    let parts = reference::fwd::shard_partials(&shard_inputs(&hb, &wb, labels, p, shard, opts.temperature, opts.ignore_index));
+    let t = p.t;
+    let mut m: Vec<f64> = parts.iter().map(|x| x.state.m).collect();
+    comm.all_reduce(&mut m, ReduceOp::Max)?;
+    // [s; t; z_label], each rescaled to the global maximum.
+    let mut sums = vec![0.0f64; 3 * t];
+    for (i, x) in parts.iter().enumerate() {
+        let st = if m[i] == f64::NEG_INFINITY { x.state } else { x.state.rescale(m[i], f64::exp2) };
+        sums[i] = st.s;
+        sums[t + i] = st.t;
+        sums[2 * t + i] = x.z_label;
+    }
+    comm.all_reduce(&mut sums, ReduceOp::Sum)?;
+    let merged: Vec<reference::fwd::ShardPartial> = (0..t)
+        .map(|i| reference::fwd::ShardPartial {
+            state: lmhead_core::lse::Lse2 { m: m[i], s: sums[i], t: sums[t + i] },
+            z_label: sums[2 * t + i],
+        })
+        .collect();
+    let r = reference::fwd::merge_shards(&[merged], labels, shard.v_total as i64, opts.ignore_index);
+    let f = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<_>>();
+    Ok(CpuFwd { logprob: f(&r.logprob), lse: f(&r.lse), entropy: entropy.then(|| f(&r.entropy)) })
+}
+
+/// The tensor-parallel backward on the CPU: `lse` and `entropy` are the global values from
+/// [`forward_tp`]. Returns the full `dh` (the ranks' partial sums, all-reduced with SUM when
+/// `reduce_dh`, else this rank's partial sum) and this shard's `dW` rows, in f32.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_tp(
+    comm: &dyn HostComm,
+    h: &[half::bf16],
+    w: &[half::bf16],
+    labels: &[i64],
+    p: Problem,
+    shard: Shard,
+    lse: &[f32],
+    entropy: Option<&[f32]>,
+    grad_logprob: Option<&[f32]>,
+    grad_entropy: Option<&[f32]>,
+    opts: &BwdOptions,
+    reduce_dh: bool,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    validate_shard(h, w, labels, p, shard, opts.temperature, opts.ignore_index)?;
+    check_len("lse", lse.len(), p.t)?;
+    if grad_entropy.is_some() && entropy.is_none() {
+        return Err(Error::Invalid("an entropy gradient needs the entropy saved by the forward".into()));
+    }
+    for (what, x) in [("entropy", entropy), ("grad_logprob", grad_logprob), ("grad_entropy", grad_entropy)] {
+        if let Some(x) = x {
+            check_len(what, x.len(), p.t)?;
+        }
+    }
+    let (hb, wb) = (bits(h), bits(w));
+    let inp = shard_inputs(&hb, &wb, labels, p, shard, opts.temperature, opts.ignore_index);
+    let f64s = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<_>>();
+    let lse = f64s(lse);
+    let ent = entropy.map(f64s).unwrap_or_else(|| vec![0.0; p.t]);
+    let (gl, ge) = (grad_logprob.map(f64s), grad_entropy.map(f64s));
+    let g = reference::Grads { logprob: gl.as_deref(), entropy: ge.as_deref() };
+    let mut r = reference::backward(&inp, &lse, &ent, &g);
+    if reduce_dh {
+        comm.all_reduce(&mut r.dh, ReduceOp::Sum)?;
+    }
     let f = |v: Vec<f64>| v.into_iter().map(|x| x as f32).collect::<Vec<_>>();
     Ok((f(r.dh), f(r.dw)))
 }

@@ -8,6 +8,8 @@ use cudarc::driver::sys::CUfunction_attribute as F;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::Ptx;
 
+use lmhead_core::config::{fixed, kernel_name, Family};
+
 use crate::error::{Context as _, Error, Result};
 
 /// Whether a CUDA driver library can be loaded on this machine (no GPU work is attempted
@@ -51,6 +53,33 @@ pub struct Gpu {
     /// with the reason in `cubin_note`).
     cubin: Mutex<Option<Option<Arc<CudaModule>>>>,
     cubin_note: Mutex<Option<String>>,
+    /// Kernels that failed to load, with the reason; and the families already warned about.
+    failed: Mutex<(HashMap<String, String>, Vec<Family>)>,
+}
+
+/// Where the kernels come from and how many of them load: what [`Gpu::kernel_report`] and
+/// `LmHead::kernel_report` answer, and what the demo and bench headers print.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelReport {
+    /// True when the kernels are the embedded sm_90a cubin (no JIT).
+    pub cubin: bool,
+    /// "cubin (…)" or why the kernels are JIT-compiled from PTX.
+    pub source: String,
+    /// Per tuned family: (family, candidates, loaded).
+    pub families: Vec<(Family, usize, usize)>,
+    /// Fixed kernels (merges, label check, casts, units): (count, loaded).
+    pub fixed: (usize, usize),
+    /// Every kernel that failed to load, with the reason.
+    pub failed: Vec<(String, String)>,
+}
+
+impl std::fmt::Display for KernelReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "kernels: {}; ", self.source)?;
+        let fams: Vec<String> = self.families.iter().map(|(fam, n, ok)| format!("{} {ok}/{n}", fam.stem())).collect();
+        write!(f, "loaded {}, fixed {}/{}", fams.join(", "), self.fixed.1, self.fixed.0)?;
+        write!(f, "; {} failed to load", self.failed.len())
+    }
 }
 
 impl std::fmt::Debug for Gpu {
@@ -90,6 +119,7 @@ impl Gpu {
             functions: Mutex::new(HashMap::new()),
             cubin: Mutex::new(None),
             cubin_note: Mutex::new(None),
+            failed: Mutex::new((HashMap::new(), Vec::new())),
         }))
     }
 
@@ -146,6 +176,48 @@ impl Gpu {
                 self.info.max_smem_optin
             )));
         }
+        let r = self.load_function(name, smem);
+        if let Err(e) = &r {
+            self.record_failure(name, e.to_string());
+        }
+        r
+    }
+
+    /// Remember a kernel that did not load; warn once when every candidate of its family failed
+    /// (the tuner then has nothing of that family to choose from).
+    fn record_failure(&self, name: &str, reason: String) {
+        let mut g = self.failed.lock().unwrap();
+        g.0.insert(name.to_string(), reason.clone());
+        let Some(family) = Family::ALL.into_iter().find(|f| f.candidates().iter().any(|&c| kernel_name(*f, c) == name)) else { return };
+        let all_failed = family.candidates().iter().all(|&c| g.0.contains_key(&kernel_name(family, c)));
+        if all_failed && !g.1.contains(&family) {
+            g.1.push(family);
+            eprintln!("lmhead: warning: no kernel of family {} loads on this device ({}); last error: {reason}", family.stem(), self.loader());
+        }
+    }
+
+    /// Load every kernel (tuned candidates and fixed kernels) and report where they came from and
+    /// how many loaded. From the cubin this takes milliseconds; JIT-compiling all of them
+    /// (`LMHEAD_FORCE_JIT=1` or a PTX-only build) takes much longer.
+    pub fn kernel_report(&self) -> KernelReport {
+        let mut families = Vec::new();
+        for f in Family::ALL {
+            let ok = f.candidates().iter().filter(|&&c| self.function(&kernel_name(f, c), c.smem_bytes() as u32).is_ok()).count();
+            families.push((f, f.candidates().len(), ok));
+        }
+        let fixed_ok = fixed::ALL.iter().filter(|n| self.function(n, 0).is_ok()).count();
+        let mut failed: Vec<(String, String)> = self.failed.lock().unwrap().0.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        failed.sort();
+        KernelReport {
+            cubin: self.cubin_module().is_some(),
+            source: self.loader(),
+            families,
+            fixed: (fixed::ALL.len(), fixed_ok),
+            failed,
+        }
+    }
+
+    fn load_function(&self, name: &str, smem: u32) -> Result<CudaFunction> {
         // A kernel launched with more shared memory than at its first use (the unit kernels'
         // boxes vary) gets its limit raised; asking for less needs nothing.
         let raise = |f: &CudaFunction| {

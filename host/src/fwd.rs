@@ -13,6 +13,7 @@ use lmhead_core::split;
 use lmhead_core::Problem;
 
 use crate::error::{Context as _, Error, Result};
+use crate::validate;
 use crate::launch::{self, dev_in, dev_out, Dev, Dims, Labels, MergeOuts, MergeStep, Scalars};
 use crate::overrides::Overrides;
 use crate::tp::{Communicator, ReduceOp, Shard};
@@ -42,9 +43,10 @@ pub struct FwdOptions {
     pub temperature: f32,
     /// Rows with this label report log-prob 0 and entropy 0 (and get no gradient). Default −100.
     pub ignore_index: i64,
-    /// Read back the label status after the call (one small synchronous copy) and fail with
-    /// [`Error::BadLabel`] when a label is outside `[0, v)` and not `ignore_index`. Those rows are
-    /// NaN either way. Default true.
+    /// Check every label before anything runs (one small kernel and an 8-byte synchronous read)
+    /// and fail with [`Error::BadLabel`] (first offending row and its label) when one is outside
+    /// `[0, v)` and not `ignore_index`; nothing is tuned or written then. Without the check such
+    /// rows come out NaN and the call succeeds. Default true.
     pub check_labels: bool,
     /// How the tile config is chosen. Default [`Choice::Auto`].
     pub config: Choice,
@@ -63,13 +65,6 @@ impl Default for FwdOptions {
 pub struct FwdReport {
     pub config: Option<TileConfig>,
     pub n_splits: u32,
-}
-
-pub(crate) fn check_temperature(t: f32) -> Result<f32> {
-    if !(t.is_finite() && t > 0.0) {
-        return Err(Error::Temperature(t));
-    }
-    Ok(1.0 / t)
 }
 
 impl LmHead {
@@ -129,12 +124,7 @@ impl LmHead {
         out: FwdOutputs<'_>,
     ) -> Result<FwdReport> {
         let p = x.problem;
-        p.check()?;
-        shard.check(p.v)?;
-        let inv_temp = check_temperature(opts.temperature)?;
         self.check_stream(stream)?;
-        let sc = Scalars { inv_temp, ignore_index: opts.ignore_index, v_begin: shard.v_begin as i64 };
-        let dims = Dims { t: p.t, v: p.v, d: p.d };
         let h = dev_in(x.h, stream, "h")?;
         let w = dev_in(x.w, stream, "W")?;
         let labels = L::labels(x.labels, stream)?;
@@ -144,6 +134,25 @@ impl LmHead {
             Some(e) => Some(dev_out(e, stream, "entropy")?),
             None => None,
         };
+        // Everything about the call is checked here, before the label check, the tuner or any
+        // launch: a bad call tunes, caches and writes nothing.
+        let call = validate::FwdCall {
+            problem: p,
+            shard,
+            tp: comm.is_some(),
+            h: h.buf(2),
+            w: w.buf(2),
+            labels: labels.buf(),
+            logprob: logprob.buf(4),
+            lse: lse.buf(4),
+            entropy: entropy.as_ref().map(|e| e.buf(4)),
+        };
+        let inv_temp = validate::fwd(&call, opts)?;
+        let sc = Scalars { inv_temp, ignore_index: opts.ignore_index, v_begin: shard.v_begin as i64 };
+        let dims = Dims { t: p.t, v: p.v, d: p.d };
+        if opts.check_labels {
+            self.check_labels(stream, &labels, p.t, shard.v_total, opts.ignore_index)?;
+        }
         if opts.naive {
             launch::naive_fwd(&self.gpu, stream, dims, sc, &h, &w, &labels, &logprob, &lse, entropy.as_ref())?;
             return Ok(FwdReport { config: None, n_splits: 0 });
@@ -185,13 +194,41 @@ impl LmHead {
                 }
             }
         }
-        if opts.check_labels {
-            let flags = stream.clone_dtoh(&*status).during(|| "reading the label status".into())?;
-            if flags[0] & lmhead_core::params::STATUS_BAD_LABEL != 0 {
-                return Err(Error::BadLabel { row: None, label: None });
-            }
-        }
         Ok(FwdReport { config: Some(cfg), n_splits })
+    }
+
+    /// Check every label before anything of the forward runs (so a bad label writes nothing and
+    /// tunes nothing): one small kernel over the labels, then an 8-byte read of its verdict (a
+    /// synchronisation with the stream), and on failure 8 bytes more for the offending label.
+    fn check_labels(&self, stream: &Arc<CudaStream>, labels: &Labels, t: usize, v_total: usize, ignore_index: i64) -> Result<()> {
+        let mut ws = self.ws.lock().unwrap();
+        let status = ws.status.get(stream, 2)?;
+        stream.memcpy_htod(&[0u32, u32::MAX], &mut *status).during(|| "clearing the label status".into())?;
+        {
+            let sd = dev_out(&mut *status, stream, "status")?;
+            launch::check_labels(&self.gpu, stream, t, (v_total as i64, ignore_index), labels, &sd)?;
+        }
+        let flags = stream.clone_dtoh(&*status).during(|| "reading the label status".into())?;
+        if flags[0] & lmhead_core::params::STATUS_BAD_LABEL == 0 {
+            return Ok(());
+        }
+        let row = flags[1] as usize;
+        let label = if row < t {
+            let mut bytes = [0u8; 8];
+            let elem = labels.elem();
+            // SAFETY: `row < t` and the labels buffer was validated to hold exactly `t` elements
+            // of `elem` bytes, so `[ptr + row·elem, + elem)` is inside it; the copy is ordered on
+            // `stream` after the check kernel, and `bytes` outlives it (synchronised below).
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_async(&mut bytes[..elem], labels.dev.ptr + (row * elem) as u64, stream.cu_stream())
+            }
+            .during(|| "reading the bad label".into())?;
+            stream.synchronize().during(|| "reading the bad label".into())?;
+            Some(if elem == 8 { i64::from_le_bytes(bytes) } else { i32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as i64 })
+        } else {
+            None
+        };
+        Err(Error::BadLabel { row: (row < t).then_some(row), label })
     }
 
     /// The vocab split and launch order for `cfg` on this device (see `lmhead_core::split`),

@@ -55,6 +55,11 @@ pub fn dev_out<'a, T>(buf: &'a mut (impl DevicePtrMut<T> + ?Sized), stream: &'a 
 }
 
 impl Dev<'_> {
+    /// What validation sees of this buffer (`elem` bytes per element).
+    pub fn buf(&self, elem: usize) -> crate::validate::Buf {
+        crate::validate::Buf::new(self.what, self.ptr, self.len, elem)
+    }
+
     /// Elements `[start, start + len)` of this buffer (`elem` bytes each), for a kernel that
     /// writes or reads part of it. The parent's guard keeps ordering the whole buffer.
     pub fn sub(&self, start: usize, len: usize, elem: usize) -> Result<Dev<'_>> {
@@ -91,7 +96,11 @@ pub struct Labels<'a> {
 }
 
 impl Labels<'_> {
-    fn elem(&self) -> usize {
+    pub fn buf(&self) -> crate::validate::Buf {
+        self.dev.buf(self.elem())
+    }
+
+    pub fn elem(&self) -> usize {
         if self.kind == LABELS_I64 {
             8
         } else {
@@ -660,6 +669,23 @@ pub fn merge(
     };
     let grid = ((t as u32).div_ceil(fixed::THREADS), 1);
     launch(gpu, stream, name, 0, grid, fixed::THREADS, p)
+}
+
+/// The label check: `status[0]` gets [`lmhead_core::params::STATUS_BAD_LABEL`] and `status[1]`
+/// the lowest row whose label is neither `ignore_index` nor in `[0, v_total)` (the caller sets
+/// the two words to 0 and `u32::MAX` first). Reads only the labels.
+pub fn check_labels(gpu: &Gpu, stream: &CudaStream, t: usize, (v_total, ignore_index): (i64, i64), labels: &Labels, status: &Dev) -> Result<()> {
+    let p = MergeParams {
+        t: t as u32,
+        v_total,
+        ignore_index,
+        label_kind: labels.kind,
+        labels: labels.dev.check_exact(t, labels.elem())?,
+        status: status.check(2, 4)?,
+        ..Default::default()
+    };
+    let grid = ((t as u32).div_ceil(fixed::THREADS), 1);
+    launch(gpu, stream, fixed::CHECK_LABELS, 0, grid, fixed::THREADS, p)
 }
 
 /// `dst = bf16(src)` over `n` elements.

@@ -14,6 +14,7 @@
 //! answers bad input with an [`Error`], never a panic or a plausible wrong number.
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
+pub mod borrowed;
 pub mod bwd;
 pub mod cpu;
 pub mod device;
@@ -26,16 +27,18 @@ pub mod testing;
 pub mod tp;
 
 pub mod tune;
+pub mod validate;
 pub mod workspace;
 
 use std::sync::{Arc, Mutex};
 
 pub use cudarc;
-pub use device::{driver_present, DeviceInfo, Gpu};
+pub use device::{driver_present, DeviceInfo, Gpu, KernelReport};
 pub use error::{Error, Result};
 pub use half::bf16;
 pub use lmhead_core::{Family, Problem, TileConfig, TokenBucket};
 
+pub use borrowed::{borrowed_stream, Borrowed};
 pub use bwd::{BwdConfigs, BwdInputs, BwdOptions, BwdReport, GradOut};
 pub use fwd::{FwdInputs, FwdOptions, FwdOutputs, FwdReport};
 pub use tp::{Communicator, LocalComm, ReduceDh, Shard};
@@ -102,6 +105,12 @@ impl LmHead {
         self.ws.lock().unwrap().bytes()
     }
 
+    /// Where the kernels come from (cubin or JIT) and how many of each family load (loads them
+    /// all; see [`Gpu::kernel_report`]).
+    pub fn kernel_report(&self) -> KernelReport {
+        self.gpu.kernel_report()
+    }
+
     /// Free the workspace (it is re-allocated on the next call).
     pub fn release_workspace(&self) {
         self.ws.lock().unwrap().release();
@@ -114,6 +123,7 @@ impl LmHead {
     /// shape (random bf16, labels in range), so that later calls with those counts find their
     /// configs in the cache. Nothing of the caller's is read or written.
     pub fn warm_up(&self, token_counts: &[usize], v: usize, d: usize, entropy: bool, backward: bool) -> Result<()> {
+        validate::warm_up(token_counts, v, d)?;
         let stream = self.gpu.context().default_stream();
         self.tuner.warm_up(token_counts, |t| {
             let p = Problem::new(t, v, d);
@@ -148,7 +158,7 @@ impl LmHead {
                     grad_entropy: entropy.then_some(&g as &dyn cudarc::driver::DevicePtr<f32>),
                     problem: p,
                 };
-                self.backward(&stream, &bx, &BwdOptions::default(), GradOut::Bf16(&mut dh), GradOut::Bf16(&mut dw))?;
+                self.backward(&stream, &bx, &BwdOptions::default(), GradOut::Bf16(&mut dh), Some(GradOut::Bf16(&mut dw)))?;
             }
             stream.synchronize().map_err(|source| Error::Driver { during: "warm-up".into(), source })
         })

@@ -26,23 +26,44 @@ pub fn entry_modules() -> &'static HashMap<String, String> {
 
 /// Split a PTX module into one module per `.entry` (each with the shared prelude: `.version`,
 /// `.target`, `.address_size` and global declarations such as the dynamic shared memory).
+///
+/// An entry ends where its braces balance, not at the first line that starts with `}`: llc
+/// writes each inline-`asm!` scope (`{`, `.reg .pred p;`, …, `}`) at column 0 inside the
+/// function body, so ending at the first `}` cut every such entry short and the driver's JIT
+/// answered "Parsing error near '': syntax error" (regression test below; every split module is
+/// also assembled by ptxas in `tests/ptx_modules.rs`). Braces inside `//` comments are ignored;
+/// PTX has no string literals.
 pub fn split(ptx: &str) -> HashMap<String, String> {
     let mut prelude = String::new();
     let mut out = HashMap::new();
-    let mut cur: Option<(String, String)> = None;
+    // (name, body, brace depth, whether the body's first `{` was seen)
+    let mut cur: Option<(String, String, i64, bool)> = None;
     let mut in_entries = false;
     for line in ptx.lines() {
-        if let Some(rest) = line.trim_start().strip_prefix(".visible .entry ") {
-            in_entries = true;
-            let name = rest.split('(').next().unwrap_or("").trim().to_string();
-            cur = Some((name, String::new()));
+        if cur.is_none() {
+            if let Some(rest) = line.trim_start().strip_prefix(".visible .entry ") {
+                in_entries = true;
+                let name = rest.split('(').next().unwrap_or("").trim().to_string();
+                cur = Some((name, String::new(), 0, false));
+            }
         }
         match cur.as_mut() {
-            Some((_, body)) => {
+            Some((_, body, depth, opened)) => {
                 body.push_str(line);
                 body.push('\n');
-                if line.starts_with('}') {
-                    let (name, body) = cur.take().unwrap();
+                let code = line.split("//").next().unwrap_or("");
+                for ch in code.chars() {
+                    match ch {
+                        '{' => {
+                            *depth += 1;
+                            *opened = true;
+                        }
+                        '}' => *depth -= 1,
+                        _ => {}
+                    }
+                }
+                if *opened && *depth <= 0 {
+                    let (name, body, _, _) = cur.take().unwrap();
                     out.insert(name, format!("{prelude}\n{body}"));
                 }
             }
@@ -74,6 +95,27 @@ mod tests {
         }
         for name in lmhead_core::config::fixed::ALL {
             assert!(mods.contains_key(name), "{name}");
+        }
+    }
+
+    /// Regression: llc puts the braces of inline-`asm!` scopes at column 0 inside an entry; the
+    /// split used to end the entry at the first of them, and the driver's JIT rejected the
+    /// truncated module ("Parsing error near ''").
+    #[test]
+    fn an_entry_ends_where_its_braces_balance() {
+        let ptx = ".version 8.0\n.target sm_90a\n.address_size 64\n\n.visible .entry a(\n\t.param .u64 a_param_0\n)\n{\n\t.reg .b32 %r<2>;\n\t// begin inline asm\n{\n.reg .pred p; // {\n}\n\t// end inline asm\n\tret;\n\n}\n\t// .globl b\n.visible .entry b(\n)\n{\n\tret;\n}\n";
+        let mods = split(ptx);
+        assert_eq!(mods.len(), 2);
+        let a = &mods["a"];
+        assert!(a.contains(".reg .pred p;") && a.contains("\tret;"), "{a}");
+        assert!(a.trim_end().ends_with("ret;\n\n}"), "the entry's own closing brace ends it: {a}");
+        assert!(!a.contains(".entry b"));
+        assert!(mods["b"].contains(".entry b") && mods["b"].starts_with(".version 8.0"));
+        // Every real entry module balances its braces and ends with the entry's closing brace.
+        for (name, m) in entry_modules() {
+            let code: String = m.lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n");
+            assert_eq!(code.matches('{').count(), code.matches('}').count(), "{name}");
+            assert!(m.trim_end().ends_with('}'), "{name}");
         }
     }
 }

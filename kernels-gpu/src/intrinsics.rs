@@ -405,6 +405,16 @@ pub unsafe fn atomic_or(p: *mut u32, v: u32) {
     unsafe { asm!("red.global.or.b32 [{p}], {v};", p = in(reg64) p, v = in(reg32) v, options(nostack)) };
 }
 
+/// `red.global.min.u32`: atomically lowers the `u32` at `p` to `v` if `v` is smaller.
+///
+/// # Safety
+/// `p` is a valid, 4-byte aligned global address.
+#[inline(always)]
+pub unsafe fn atomic_min(p: *mut u32, v: u32) {
+    // SAFETY: the caller guarantees the address.
+    unsafe { asm!("red.global.min.u32 [{p}], {v};", p = in(reg64) p, v = in(reg32) v, options(nostack)) };
+}
+
 /// `wgmma.fence.sync.aligned`: orders register accesses before the following `wgmma`s.
 ///
 /// # Safety

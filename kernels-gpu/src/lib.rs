@@ -67,6 +67,7 @@ fixed_entry!(lm_head_fwd_merge, MergeParams, merge::fwd_merge);
 fixed_entry!(lm_head_fwd_row_state, MergeParams, merge::fwd_row_state);
 fixed_entry!(lm_head_fwd_rescale, MergeParams, merge::fwd_rescale);
 fixed_entry!(lm_head_fwd_finish, MergeParams, merge::fwd_finish);
+fixed_entry!(lm_head_check_labels, MergeParams, merge::check_labels);
 fixed_entry!(lm_head_cast_f32_bf16, CastParams, merge::cast_f32_bf16);
 fixed_entry!(lm_head_naive_fwd, NaiveParams, level_00::naive_fwd);
 fixed_entry!(lm_head_transpose_bf16, TransposeParams, merge::transpose_bf16);

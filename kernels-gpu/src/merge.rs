@@ -68,6 +68,29 @@ unsafe fn finish_row(p: &MergeParams, row: u32, x: Lse2<f32>, z_label: f32) {
     }
 }
 
+/// The label check that runs before anything else of a forward: for each row whose label is
+/// neither `ignore_index` nor in `[0, v_total)`, set [`STATUS_BAD_LABEL`] in `status[0]` and
+/// lower `status[1]` (the host sets it to `u32::MAX`) to the row. Reads only the labels.
+///
+/// # Safety
+/// Grid covers `t` rows with `fixed::THREADS` threads per block; `labels` holds `t` labels of
+/// `label_kind`; `status` points to two `u32`.
+#[inline(always)]
+pub unsafe fn check_labels(p: &MergeParams) {
+    let row = row_index();
+    if row < p.t {
+        // SAFETY: row < t, labels holds t labels (contract).
+        let label = unsafe { load_label(p.labels, p.label_kind, row) };
+        if label != p.ignore_index && (label < 0 || label >= p.v_total) {
+            // SAFETY: status points to two u32 (contract).
+            unsafe {
+                intrinsics::atomic_or(p.status as *mut u32, STATUS_BAD_LABEL);
+                intrinsics::atomic_min((p.status as *mut u32).add(1), row);
+            }
+        }
+    }
+}
+
 /// Single-device merge: partials → lse, log-prob, entropy.
 ///
 /// # Safety

@@ -51,8 +51,12 @@ impl Paths {
         self.root.join("kernels-gpu")
     }
 
+    /// Where ptxas is installed: `LMHEAD_TOOLS_DIR`, else `<root>/.tools`.
     pub fn tools_dir(&self) -> PathBuf {
-        self.root.join(".tools")
+        match std::env::var_os("LMHEAD_TOOLS_DIR") {
+            Some(d) if !d.is_empty() => PathBuf::from(d),
+            _ => self.root.join(".tools"),
+        }
     }
 }
 
@@ -237,7 +241,11 @@ pub fn build_ptx(paths: &Paths) -> Result<String> {
 /// with pip and extract `ptxas` into the cache.
 pub fn ptxas(paths: &Paths, install: bool) -> Result<Option<PathBuf>> {
     if let Ok(p) = std::env::var("LMHEAD_PTXAS") {
-        return Ok(Some(PathBuf::from(p)));
+        let p = PathBuf::from(p);
+        if !p.is_file() {
+            return Err(format!("LMHEAD_PTXAS={} is not a file", p.display()));
+        }
+        return Ok(Some(p));
     }
     let cached = paths.tools_dir().join("ptxas");
     if cached.exists() {
@@ -247,24 +255,30 @@ pub fn ptxas(paths: &Paths, install: bool) -> Result<Option<PathBuf>> {
         return Ok(None);
     }
     eprintln!("lmhead-build: fetching ptxas from the PyPI wheel {PTXAS_WHEEL} into {}", paths.tools_dir().display());
-    let dl = paths.tools_dir().join("wheel");
-    std::fs::create_dir_all(&dl).map_err(|e| e.to_string())?;
+    // Several build scripts may install at once (a test and a release build of the host): each
+    // works in its own folder and the last step is an atomic rename onto the same file.
+    let tag = std::process::id();
+    let dl = paths.tools_dir().join(format!("wheel-{tag}"));
+    std::fs::create_dir_all(&dl).map_err(|e| format!("creating {}: {e}", dl.display()))?;
     let python = if Command::new("python3").arg("--version").output().is_ok() { "python3" } else { "python" };
     let mut cmd = Command::new(python);
-    cmd.args(["-m", "pip", "download", "--quiet", "--no-deps", PTXAS_WHEEL, "-d"]).arg(&dl);
-    run(&mut cmd, "pip download")?;
-    let extract = "import glob,zipfile,sys\nw=sorted(glob.glob(sys.argv[1]+'/nvidia_cuda_nvcc-*.whl'))[-1]\nz=zipfile.ZipFile(w)\nopen(sys.argv[2],'wb').write(z.read('nvidia/cu13/bin/ptxas'))\n".to_string();
-    let tmp = paths.tools_dir().join("ptxas.part");
-    let mut cmd = Command::new(python);
-    cmd.args(["-c", &extract]).arg(&dl).arg(&tmp);
-    run(&mut cmd, "extracting ptxas from the wheel")?;
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755)).map_err(|e| e.to_string())?;
-    }
-    std::fs::rename(&tmp, &cached).map_err(|e| e.to_string())?;
+    cmd.args(["-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", PTXAS_WHEEL, "-d"]).arg(&dl);
+    let fetched = run(&mut cmd, "pip download");
+    let result = fetched.and_then(|_| {
+        let extract = "import glob,zipfile,sys\nw=sorted(glob.glob(sys.argv[1]+'/nvidia_cuda_nvcc-*.whl'))[-1]\nz=zipfile.ZipFile(w)\nopen(sys.argv[2],'wb').write(z.read('nvidia/cu13/bin/ptxas'))\n";
+        let tmp = paths.tools_dir().join(format!("ptxas.part-{tag}"));
+        let mut cmd = Command::new(python);
+        cmd.args(["-c", extract]).arg(&dl).arg(&tmp);
+        run(&mut cmd, "extracting ptxas from the wheel")?;
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755)).map_err(|e| e.to_string())?;
+        }
+        std::fs::rename(&tmp, &cached).map_err(|e| e.to_string())
+    });
     let _ = std::fs::remove_dir_all(&dl);
+    result?;
     Ok(Some(cached))
 }
 

@@ -343,6 +343,8 @@ pub mod fixed {
     pub const FWD_RESCALE: &str = "lm_head_fwd_rescale";
     /// Turns reduced row states into lse, log-prob and entropy (tensor-parallel path).
     pub const FWD_FINISH: &str = "lm_head_fwd_finish";
+    /// Checks every label against `[0, v_total)` and `ignore_index` before a forward runs.
+    pub const CHECK_LABELS: &str = "lm_head_check_labels";
     /// Writes a bf16 copy of an f32 buffer.
     pub const CAST_F32_BF16: &str = "lm_head_cast_f32_bf16";
     /// Level 00 of the ladder: one block per token, plain f32 dot products, no tensor cores.
@@ -371,7 +373,8 @@ pub mod fixed {
     /// Threads per block of the fixed kernels (the unit kernels run one warpgroup of them).
     pub const THREADS: u32 = 256;
     /// All fixed entry points.
-    pub const ALL: [&str; 12] = [
+    pub const ALL: [&str; 13] = [
+        CHECK_LABELS,
         FWD_MERGE,
         FWD_ROW_STATE,
         FWD_RESCALE,
