@@ -14,6 +14,7 @@ fn gpu_demo(head: &LmHead) -> Result<(), String> {
     let (t, v, d) = (4096, 32_000, 2048);
     let stream = head.gpu().context().default_stream();
     println!("GPU: {:?}", head.gpu().info());
+    println!("{}", head.kernel_report());
     let case = Case::generate(42, t, v, d, &Structure::default());
     let p = Problem::new(t, v, d);
     let e = |x: lmhead::Error| x.to_string();

@@ -4,8 +4,12 @@
 //! ```text
 //! lmhead-bench [quick|sweep|probe|entropy|tp] [--filter SUBSTR] [--budget-s N] [--reps N]
 //!              [--out results.jsonl] [--fallback] [--no-check] [--skip N]
-//!              [--bwd-chunk N]
+//!              [--bwd-chunk N] [--check-labels]
 //! ```
+//!
+//! `--check-labels` times the forwards with `FwdOptions::check_labels` on (the label check
+//! kernel and its synchronous 8-byte read before each forward); by default it is off, so the
+//! forward's times are the kernels' alone.
 //!
 //! Measurement hygiene: random inputs (never zeros); tuning and warm-up of every operation before
 //! any timing; then `--reps` rounds, each timing cuBLAS, the forward, the forward with entropy
@@ -47,6 +51,8 @@ pub struct Args {
     pub skip: usize,
     /// The backward's vocab chunk width (`BwdOptions::chunk`); `None`: the library's default.
     pub bwd_chunk: Option<usize>,
+    /// Time the forwards with the label check on.
+    pub check_labels: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -60,6 +66,7 @@ fn parse_args() -> Result<Args, String> {
         check: true,
         skip: 0,
         bwd_chunk: None,
+        check_labels: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(x) = it.next() {
@@ -70,6 +77,7 @@ fn parse_args() -> Result<Args, String> {
             "--out" => a.out = it.next().ok_or("--out needs a value")?,
             "--fallback" => a.fallback = true,
             "--no-check" => a.check = false,
+            "--check-labels" => a.check_labels = true,
             "--bwd-chunk" => {
                 a.bwd_chunk = Some(it.next().ok_or("--bwd-chunk needs a value")?.parse().map_err(|e| format!("--bwd-chunk: {e}"))?)
             }
@@ -129,7 +137,7 @@ fn measure(head: &LmHead, stream: &Arc<CudaStream>, c: &Case, args: &Args, seed:
     let mut lse: CudaSlice<f32> = stream.alloc_zeros(c.t).unwrap();
     let mut ent: CudaSlice<f32> = stream.alloc_zeros(c.t).unwrap();
     let choice = if args.fallback { Choice::Fallback } else { Choice::Auto };
-    let fo = FwdOptions { config: choice, check_labels: false, ..Default::default() };
+    let fo = FwdOptions { config: choice, check_labels: args.check_labels, ..Default::default() };
     let x = FwdInputs { h: &h, w: &w, labels: &lab, problem: p };
 
     // cuBLAS: logits = h · Wᵀ (bf16 out, f32 compute).
@@ -276,7 +284,7 @@ fn main() {
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback] [--no-check] [--skip N] [--bwd-chunk N]");
+            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback] [--no-check] [--skip N] [--bwd-chunk N] [--check-labels]");
             std::process::exit(2);
         }
     };
@@ -290,6 +298,10 @@ fn main() {
     });
     let stream = head.gpu().context().default_stream();
     let info = head.gpu().info().clone();
+    let report = (args.suite != "probe-child").then(|| head.kernel_report());
+    if let Some(r) = report.as_ref().filter(|r| !r.cubin) {
+        eprintln!("lmhead-bench: warning: the kernels are JIT-compiled ({}): first calls are slower", r.source);
+    }
     if args.suite == "probe-child" {
         let ms = suites::timed_call(&head, &stream, 20_000, 128_256, 4096);
         println!("| fresh process, cache on disk (JIT, no tuning) | 20000 | 32768 | {ms:.1} |");
@@ -320,6 +332,9 @@ fn main() {
         logical,
         unique
     );
+    if let Some(r) = &report {
+        println!("\n{r}");
+    }
     println!();
     println!(
         "| case | T | V | D | GEMM ms | fwd ms (x GEMM) | fwd+ent ms (x GEMM) | fwd+bwd ms (x GEMM) | fwd TFLOP/s | ws MiB | configs |"

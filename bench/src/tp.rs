@@ -185,9 +185,16 @@ fn run_rank(
                     problem: p,
                 };
                 match tp {
-                    Some(c) => {
-                        head.backward_tp(c, stream, &bx, shard, ReduceDh::AllReduce, &bo, GradOut::Bf16(&mut dh), Some(GradOut::Bf16(&mut dw)))
-                    }
+                    Some(c) => head.backward_tp(
+                        c,
+                        stream,
+                        &bx,
+                        shard,
+                        ReduceDh::AllReduce,
+                        &bo,
+                        GradOut::Bf16(&mut dh),
+                        Some(GradOut::Bf16(&mut dw)),
+                    ),
                     None => head.backward(stream, &bx, &bo, GradOut::Bf16(&mut dh), Some(GradOut::Bf16(&mut dw))),
                 }
                 .map(drop)

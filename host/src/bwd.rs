@@ -144,6 +144,8 @@ struct Out<'a> {
 /// The validated inputs of a backward call, as device buffers.
 #[derive(Clone, Copy)]
 struct BwdDev<'a, 'b> {
+    p: Problem,
+    sc: Scalars,
     h: &'b Dev<'a>,
     w: &'b Dev<'a>,
     labels: &'b Labels<'a>,
@@ -238,44 +240,43 @@ impl LmHead {
             (Some(g), Some(e)) => Some((g, e)),
             _ => None,
         };
-        let x = BwdDev { h: &h, w: &w, labels: &labels, lse: &lse, gl: gl.as_ref(), ent: ent.as_ref().map(|(a, b)| (a, b)) };
-        self.backward_dev(stream, p, sc, opts, reduce_dh, &x, &dh, dw.as_ref())
+        let x = BwdDev { p, sc, h: &h, w: &w, labels: &labels, lse: &lse, gl: gl.as_ref(), ent: ent.as_ref().map(|(a, b)| (a, b)) };
+        self.backward_dev(stream, opts, reduce_dh, &x, &dh, dw.as_ref())
     }
 
     fn backward_dev(
         &self,
         stream: &Arc<CudaStream>,
-        p: Problem,
-        sc: Scalars,
         opts: &BwdOptions,
         reduce_dh: Option<&dyn Communicator>,
         x: &BwdDev,
         dh: &Out,
         dw: Option<&Out>,
     ) -> Result<BwdReport> {
-        let BwdDev { h, w, labels, lse, gl, ent } = *x;
+        let BwdDev { p, sc, h, w, labels, lse, gl, ent } = *x;
         let dims = Dims { t: p.t, v: p.v, d: p.d };
         let chunk = opts.chunk.unwrap_or_else(|| auto_chunk(p.t, p.d)).min(p.v);
         let stride = stride_of(chunk);
         let chunks = p.v.div_ceil(chunk);
         let fam_dl = if ent.is_some() { Family::BwdDlogitsEnt } else { Family::BwdDlogits };
         let tp = sc.v_begin != 0 || reduce_dh.is_some();
-        let (cfg_dl, cfg_dh, cfg_dw) = self.bwd_configs(stream, opts.config, p, chunk, fam_dl, sc, tp, x, dw.is_some())?;
-        let mut guard = self.ws.lock().unwrap();
+        let (cfg_dl, cfg_dh, cfg_dw) = self.bwd_configs(stream, opts.config, chunk, fam_dl, tp, x, dw.is_some())?;
+        let mut guard = self.call_ws();
         {
             let ws = &mut *guard;
-            let staging = ws.staging.get(stream, p.t * stride)?;
+            let src = &mut ws.src;
+            let staging = ws.staging.get(src, stream, p.t * stride)?;
             let staging = dev_out(staging, stream, "staging")?;
             // K-major copies for the Hopper GEMMs (only for wgmma configs that need them).
             let t8 = p.t.next_multiple_of(8);
             let wt = match cfg_dh.reads_k_major_copies() {
-                true => Some(dev_out(ws.w_chunk_t.get(stream, p.d * stride)?, stream, "transposed W chunk")?),
+                true => Some(dev_out(ws.w_chunk_t.get(src, stream, p.d * stride)?, stream, "transposed W chunk")?),
                 false => None,
             };
             let (st_t, ht) = match dw.is_some() && cfg_dw.reads_k_major_copies() {
                 true => (
-                    Some(dev_out(ws.staging_t.get(stream, chunk * t8)?, stream, "transposed staging")?),
-                    Some(dev_out(ws.h_t.get(stream, p.d * t8)?, stream, "transposed h")?),
+                    Some(dev_out(ws.staging_t.get(src, stream, chunk * t8)?, stream, "transposed staging")?),
+                    Some(dev_out(ws.h_t.get(src, stream, p.d * t8)?, stream, "transposed h")?),
                 ),
                 false => (None, None),
             };
@@ -290,7 +291,7 @@ impl LmHead {
             let acc: &Dev = if dh.f32 || (chunks == 1 && !reduce_bf16) {
                 &dh.dev
             } else {
-                acc_buf = dev_out(ws.dh_acc.get(stream, p.t * p.d)?, stream, "dh accumulator")?;
+                acc_buf = dev_out(ws.dh_acc.get(src, stream, p.t * p.d)?, stream, "dh accumulator")?;
                 &acc_buf
             };
             for c in 0..chunks {
@@ -332,15 +333,13 @@ impl LmHead {
         &self,
         stream: &Arc<CudaStream>,
         choice: BwdConfigs,
-        p: Problem,
         chunk: usize,
         fam_dl: Family,
-        sc: Scalars,
         tp: bool,
         x: &BwdDev,
         with_dw: bool,
     ) -> Result<(TileConfig, TileConfig, TileConfig)> {
-        let BwdDev { h, w, labels, lse, gl, ent } = *x;
+        let BwdDev { p, sc, h, w, labels, lse, gl, ent } = *x;
         let choice = if with_dw { choice } else { BwdConfigs { dw: Choice::Fallback, ..choice } };
         let stride = stride_of(chunk);
         let dims = Dims { t: p.t, v: p.v, d: p.d };

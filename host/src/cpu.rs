@@ -6,8 +6,8 @@ use lmhead_reference as reference;
 
 use crate::bwd::BwdOptions;
 use crate::error::{Error, Result};
-use crate::tp::{ReduceOp, Shard};
 use crate::fwd::FwdOptions;
+use crate::tp::{ReduceOp, Shard};
 use crate::validate::temperature as check_temperature;
 
 /// Forward outputs on the host.

@@ -192,7 +192,11 @@ impl Gpu {
         let all_failed = family.candidates().iter().all(|&c| g.0.contains_key(&kernel_name(family, c)));
         if all_failed && !g.1.contains(&family) {
             g.1.push(family);
-            eprintln!("lmhead: warning: no kernel of family {} loads on this device ({}); last error: {reason}", family.stem(), self.loader());
+            eprintln!(
+                "lmhead: warning: no kernel of family {} loads on this device ({}); last error: {reason}",
+                family.stem(),
+                self.loader()
+            );
         }
     }
 
@@ -208,13 +212,7 @@ impl Gpu {
         let fixed_ok = fixed::ALL.iter().filter(|n| self.function(n, 0).is_ok()).count();
         let mut failed: Vec<(String, String)> = self.failed.lock().unwrap().0.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         failed.sort();
-        KernelReport {
-            cubin: self.cubin_module().is_some(),
-            source: self.loader(),
-            families,
-            fixed: (fixed::ALL.len(), fixed_ok),
-            failed,
-        }
+        KernelReport { cubin: self.cubin_module().is_some(), source: self.loader(), families, fixed: (fixed::ALL.len(), fixed_ok), failed }
     }
 
     fn load_function(&self, name: &str, smem: u32) -> Result<CudaFunction> {

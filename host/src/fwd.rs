@@ -13,11 +13,11 @@ use lmhead_core::split;
 use lmhead_core::Problem;
 
 use crate::error::{Context as _, Error, Result};
-use crate::validate;
 use crate::launch::{self, dev_in, dev_out, Dev, Dims, Labels, MergeOuts, MergeStep, Scalars};
 use crate::overrides::Overrides;
 use crate::tp::{Communicator, ReduceOp, Shard};
 use crate::tune::{Choice, TuneKey};
+use crate::validate;
 use crate::{bf16, LabelType, LmHead};
 
 /// Inputs of a forward call. `h` is `[t][d]`, `W` is `[v][d]` (bf16, rows contiguous), labels `[t]`.
@@ -150,8 +150,10 @@ impl LmHead {
         let inv_temp = validate::fwd(&call, opts)?;
         let sc = Scalars { inv_temp, ignore_index: opts.ignore_index, v_begin: shard.v_begin as i64 };
         let dims = Dims { t: p.t, v: p.v, d: p.d };
+        let mut ws = self.call_ws();
+        let ws = &mut *ws;
         if opts.check_labels {
-            self.check_labels(stream, &labels, p.t, shard.v_total, opts.ignore_index)?;
+            self.check_labels(ws, stream, &labels, p.t, shard.v_total, opts.ignore_index)?;
         }
         if opts.naive {
             launch::naive_fwd(&self.gpu, stream, dims, sc, &h, &w, &labels, &logprob, &lse, entropy.as_ref())?;
@@ -159,18 +161,16 @@ impl LmHead {
         }
         let family = if entropy.is_some() { Family::FwdEnt } else { Family::Fwd };
         let cfg = self.fwd_config(stream, family, opts.config, p, sc, comm.is_some(), (&h, &w, &labels))?;
-        let mut guard = self.ws.lock().unwrap();
-        let ws = &mut *guard;
         let plan = self.plan_split(family, cfg, p)?;
         let n_splits = {
-            let partials = ws.partials.get(stream, plan.n_splits as usize * p.t)?;
+            let partials = ws.partials.get(&mut ws.src, stream, plan.n_splits as usize * p.t)?;
             let pd = dev_out(partials, stream, "partials")?;
             launch::fwd_mainloop(&self.gpu, stream, entropy.is_some(), cfg, plan, dims, sc, &h, &w, &labels, &pd)?
         };
-        let (partials, status, row_state) = (&mut ws.partials, &mut ws.status, &mut ws.row_state);
-        let status = status.get(stream, 1)?;
+        let (src, partials, status, row_state) = (&mut ws.src, &mut ws.partials, &mut ws.status, &mut ws.row_state);
+        let status = status.get(src, stream, 1)?;
         stream.memset_zeros(status).during(|| "clearing the status word".into())?;
-        let partials = partials.get(stream, n_splits as usize * p.t)?;
+        let partials = partials.get(src, stream, n_splits as usize * p.t)?;
         let pd = dev_in(&*partials, stream, "partials")?;
         let vals = (shard.v_total as i64, shard.v_begin as i64, opts.ignore_index);
         {
@@ -181,7 +181,7 @@ impl LmHead {
                 Some(comm) => {
                     // Tensor parallel: local row state, MAX of the maxima, rescale, SUM of
                     // (s, z_label[, t]), finish (see crate::tp).
-                    let rs = dev_out(row_state.get(stream, 5 * p.t)?, stream, "row states")?;
+                    let rs = dev_out(row_state.get(src, stream, 5 * p.t)?, stream, "row states")?;
                     let step = |s: MergeStep, o: Option<MergeOuts>| {
                         launch::merge(&self.gpu, stream, s, p.t, n_splits, vals, &labels, Some(&pd), Some(&rs), o)
                     };
@@ -200,9 +200,16 @@ impl LmHead {
     /// Check every label before anything of the forward runs (so a bad label writes nothing and
     /// tunes nothing): one small kernel over the labels, then an 8-byte read of its verdict (a
     /// synchronisation with the stream), and on failure 8 bytes more for the offending label.
-    fn check_labels(&self, stream: &Arc<CudaStream>, labels: &Labels, t: usize, v_total: usize, ignore_index: i64) -> Result<()> {
-        let mut ws = self.ws.lock().unwrap();
-        let status = ws.status.get(stream, 2)?;
+    fn check_labels(
+        &self,
+        ws: &mut crate::workspace::Workspace,
+        stream: &Arc<CudaStream>,
+        labels: &Labels,
+        t: usize,
+        v_total: usize,
+        ignore_index: i64,
+    ) -> Result<()> {
+        let status = ws.status.get(&mut ws.src, stream, 2)?;
         stream.memcpy_htod(&[0u32, u32::MAX], &mut *status).during(|| "clearing the label status".into())?;
         {
             let sd = dev_out(&mut *status, stream, "status")?;

@@ -674,7 +674,14 @@ pub fn merge(
 /// The label check: `status[0]` gets [`lmhead_core::params::STATUS_BAD_LABEL`] and `status[1]`
 /// the lowest row whose label is neither `ignore_index` nor in `[0, v_total)` (the caller sets
 /// the two words to 0 and `u32::MAX` first). Reads only the labels.
-pub fn check_labels(gpu: &Gpu, stream: &CudaStream, t: usize, (v_total, ignore_index): (i64, i64), labels: &Labels, status: &Dev) -> Result<()> {
+pub fn check_labels(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    t: usize,
+    (v_total, ignore_index): (i64, i64),
+    labels: &Labels,
+    status: &Dev,
+) -> Result<()> {
     let p = MergeParams {
         t: t as u32,
         v_total,

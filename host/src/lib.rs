@@ -43,6 +43,7 @@ pub use bwd::{BwdConfigs, BwdInputs, BwdOptions, BwdReport, GradOut};
 pub use fwd::{FwdInputs, FwdOptions, FwdOutputs, FwdReport};
 pub use tp::{Communicator, LocalComm, ReduceDh, Shard};
 pub use tune::{Choice, Tuner};
+pub use workspace::ScratchAlloc;
 
 /// Label element types the kernels read: `i32` and `i64`.
 pub trait LabelType: cudarc::driver::DeviceRepr + Copy + Into<i64> {
@@ -114,6 +115,18 @@ impl LmHead {
     /// Free the workspace (it is re-allocated on the next call).
     pub fn release_workspace(&self) {
         self.ws.lock().unwrap().release();
+    }
+
+    /// Take every later call's scratch memory from `alloc` (fresh each call, forgotten when the
+    /// call returns), or, with `None`, from the library's own reused workspace (the default).
+    /// See [`workspace`].
+    pub fn set_scratch(&self, alloc: Option<Arc<dyn ScratchAlloc>>) {
+        self.ws.lock().unwrap().set_scratch(alloc);
+    }
+
+    /// The workspace for one call (held until the call returns).
+    pub(crate) fn call_ws(&self) -> workspace::CallWs<'_> {
+        workspace::CallWs(self.ws.lock().unwrap())
     }
 }
 

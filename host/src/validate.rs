@@ -168,10 +168,8 @@ pub fn bwd(c: &BwdCall, opts: &BwdOptions) -> Result<f32> {
         dw.exact(p.v * p.d, 2 * dw.elem)?;
     }
     let outs: Vec<Buf> = [Some(c.dh), c.dw].into_iter().flatten().collect();
-    let ins: Vec<Buf> = [Some(c.h), Some(c.w), Some(c.labels), Some(c.lse), c.entropy, c.grad_logprob, c.grad_entropy]
-        .into_iter()
-        .flatten()
-        .collect();
+    let ins: Vec<Buf> =
+        [Some(c.h), Some(c.w), Some(c.labels), Some(c.lse), c.entropy, c.grad_logprob, c.grad_entropy].into_iter().flatten().collect();
     no_overlap(&outs, &ins)?;
     Ok(inv_temp)
 }

@@ -1,0 +1,268 @@
+//! Validation without a GPU: every bad buffer and option of a forward or backward call is its
+//! typed error from `lmhead::validate`, the checks `LmHead::forward`/`backward` run first,
+//! before the label check, the tuner or any launch (the GPU side of this, on a cold tuning
+//! cache, is `gpu_reliability::cold_cache_bad_inputs_are_refused_before_tuning`). Also the CPU
+//! backend's tensor-parallel path against the unsharded one.
+
+use lmhead::cpu::{self, HostComm};
+use lmhead::tp::ReduceOp;
+use lmhead::validate::{self, Buf, BwdCall, FwdCall};
+use lmhead::{bf16, BwdConfigs, BwdOptions, Choice, Error, Family, FwdOptions, Problem, Shard};
+
+const T: usize = 33;
+const V: usize = 257;
+const D: usize = 64;
+
+/// Disjoint, aligned buffers for a valid call (addresses 1 MiB apart).
+fn good_fwd() -> FwdCall {
+    let at = |i: u64| 0x1000_0000 + (i << 20);
+    FwdCall {
+        problem: Problem::new(T, V, D),
+        shard: Shard::whole(V),
+        tp: false,
+        h: Buf::new("h", at(0), T * D, 2),
+        w: Buf::new("W", at(1), V * D, 2),
+        labels: Buf::new("labels", at(2), T, 8),
+        logprob: Buf::new("logprob", at(3), T, 4),
+        lse: Buf::new("lse", at(4), T, 4),
+        entropy: Some(Buf::new("entropy", at(5), T, 4)),
+    }
+}
+
+fn good_bwd() -> BwdCall {
+    let at = |i: u64| 0x1000_0000 + (i << 20);
+    BwdCall {
+        problem: Problem::new(T, V, D),
+        shard: Shard::whole(V),
+        h: Buf::new("h", at(0), T * D, 2),
+        w: Buf::new("W", at(1), V * D, 2),
+        labels: Buf::new("labels", at(2), T, 8),
+        lse: Buf::new("lse", at(3), T, 4),
+        entropy: Some(Buf::new("entropy", at(4), T, 4)),
+        grad_logprob: Some(Buf::new("grad_logprob", at(5), T, 4)),
+        grad_entropy: Some(Buf::new("grad_entropy", at(6), T, 4)),
+        dh: Buf::new("dh", at(7), T * D, 2),
+        dw: Some(Buf::new("dW", at(8), V * D, 2)),
+    }
+}
+
+#[track_caller]
+fn length(r: lmhead::Result<f32>, which: &str) {
+    assert!(matches!(r, Err(Error::Length { what, .. }) if what == which), "{which}: {r:?}");
+}
+
+#[track_caller]
+fn misaligned(r: lmhead::Result<f32>, which: &str) {
+    assert!(matches!(r, Err(Error::Misaligned { what, .. }) if what == which), "{which}: {r:?}");
+}
+
+#[test]
+fn forward_checks_every_buffer_and_option() {
+    let o = FwdOptions::default();
+    assert_eq!(validate::fwd(&good_fwd(), &o).unwrap(), 1.0);
+    type Edit = fn(&mut FwdCall);
+    let lengths: [(&str, Edit); 6] = [
+        ("h", |c| c.h.len -= 1),
+        ("W", |c| c.w.len += D),
+        ("labels", |c| c.labels.len -= 1),
+        ("logprob", |c| c.logprob.len += 1),
+        ("lse", |c| c.lse.len = 0),
+        ("entropy", |c| c.entropy.as_mut().unwrap().len -= 1),
+    ];
+    for (which, edit) in lengths {
+        let mut c = good_fwd();
+        edit(&mut c);
+        length(validate::fwd(&c, &o), which);
+    }
+    let aligns: [(&str, Edit); 6] = [
+        ("h", |c| c.h.ptr += 2),
+        ("W", |c| c.w.ptr += 8),
+        ("labels", |c| c.labels.ptr += 4),
+        ("logprob", |c| c.logprob.ptr += 2),
+        ("lse", |c| c.lse.ptr += 1),
+        ("entropy", |c| c.entropy.as_mut().unwrap().ptr += 2),
+    ];
+    for (which, edit) in aligns {
+        let mut c = good_fwd();
+        edit(&mut c);
+        misaligned(validate::fwd(&c, &o), which);
+    }
+    // Labels may be i32: 4-byte alignment is then enough.
+    let mut c = good_fwd();
+    c.labels = Buf::new("labels", c.labels.ptr + 4, T, 4);
+    validate::fwd(&c, &o).unwrap();
+    // Options.
+    for t in [0.0f32, -2.0, f32::NAN, f32::INFINITY] {
+        assert!(matches!(validate::fwd(&good_fwd(), &FwdOptions { temperature: t, ..o.clone() }), Err(Error::Temperature(_))));
+    }
+    let not_fwd = Family::BwdDh.candidates()[0];
+    if !Family::FwdEnt.candidates().contains(&not_fwd) {
+        let r = validate::fwd(&good_fwd(), &FwdOptions { config: Choice::Fixed(not_fwd), ..o.clone() });
+        assert!(matches!(r, Err(Error::Config(_))), "{r:?}");
+    }
+    let mut c = good_fwd();
+    c.tp = true;
+    assert!(matches!(validate::fwd(&c, &FwdOptions { naive: true, ..o.clone() }), Err(Error::Invalid(_))));
+    // Shapes and shards.
+    let mut c = good_fwd();
+    c.problem = Problem::new(T, V, 60);
+    assert!(matches!(validate::fwd(&c, &o), Err(Error::Shape(_))));
+    let mut c = good_fwd();
+    c.shard = Shard { v_begin: 10, v_total: V };
+    assert!(matches!(validate::fwd(&c, &o), Err(Error::Invalid(_))));
+    // Overlaps: an output over an input or over another output.
+    let mut c = good_fwd();
+    c.lse.ptr = c.logprob.ptr + 4 * (T as u64 - 1);
+    assert!(matches!(validate::fwd(&c, &o), Err(Error::Invalid(m)) if m.contains("overlaps")));
+    let mut c = good_fwd();
+    c.entropy.as_mut().unwrap().ptr = c.h.ptr + 16;
+    assert!(matches!(validate::fwd(&c, &o), Err(Error::Invalid(m)) if m.contains("overlaps")));
+}
+
+#[test]
+fn backward_checks_every_buffer_and_option() {
+    let o = BwdOptions::default();
+    validate::bwd(&good_bwd(), &o).unwrap();
+    type Edit = fn(&mut BwdCall);
+    let lengths: [(&str, Edit); 9] = [
+        ("h", |c| c.h.len -= 1),
+        ("W", |c| c.w.len -= D),
+        ("labels", |c| c.labels.len += 1),
+        ("lse", |c| c.lse.len -= 1),
+        ("entropy", |c| c.entropy.as_mut().unwrap().len -= 1),
+        ("grad_logprob", |c| c.grad_logprob.as_mut().unwrap().len += 1),
+        ("grad_entropy", |c| c.grad_entropy.as_mut().unwrap().len -= 1),
+        ("dh", |c| c.dh.len -= 2),
+        ("dW", |c| c.dw.as_mut().unwrap().len += 2),
+    ];
+    for (which, edit) in lengths {
+        let mut c = good_bwd();
+        edit(&mut c);
+        length(validate::bwd(&c, &o), which);
+    }
+    let aligns: [(&str, Edit); 5] = [
+        ("h", |c| c.h.ptr += 8),
+        ("lse", |c| c.lse.ptr += 2),
+        ("grad_entropy", |c| c.grad_entropy.as_mut().unwrap().ptr += 2),
+        ("dh", |c| c.dh.ptr += 2),
+        ("dW", |c| c.dw.as_mut().unwrap().ptr += 2),
+    ];
+    for (which, edit) in aligns {
+        let mut c = good_bwd();
+        edit(&mut c);
+        misaligned(validate::bwd(&c, &o), which);
+    }
+    // f32 gradients are written in pairs: 8-byte alignment.
+    let mut c = good_bwd();
+    c.dh = Buf::new("dh", c.dh.ptr + 4, T * D, 4);
+    misaligned(validate::bwd(&c, &o), "dh");
+    // Frozen W: no dW buffer at all is valid.
+    let mut c = good_bwd();
+    c.dw = None;
+    validate::bwd(&c, &o).unwrap();
+    // Options.
+    let mut c = good_bwd();
+    c.entropy = None;
+    assert!(matches!(validate::bwd(&c, &o), Err(Error::Invalid(_))), "entropy gradient without entropy");
+    assert!(matches!(validate::bwd(&good_bwd(), &BwdOptions { chunk: Some(0), ..o.clone() }), Err(Error::Invalid(_))));
+    assert!(matches!(validate::bwd(&good_bwd(), &BwdOptions { temperature: 0.0, ..o.clone() }), Err(Error::Temperature(_))));
+    let fwd_cfg = Family::Fwd.candidates()[0];
+    for configs in [
+        BwdConfigs { dh: Choice::Fixed(fwd_cfg), ..BwdConfigs::all(Choice::Auto) },
+        BwdConfigs { dw: Choice::Fixed(fwd_cfg), ..BwdConfigs::all(Choice::Auto) },
+    ] {
+        if Family::BwdDh.candidates().contains(&fwd_cfg) || Family::BwdDw.candidates().contains(&fwd_cfg) {
+            continue;
+        }
+        assert!(matches!(validate::bwd(&good_bwd(), &BwdOptions { config: configs, ..o.clone() }), Err(Error::Config(_))));
+    }
+    // dW over an input.
+    let mut c = good_bwd();
+    c.dw.as_mut().unwrap().ptr = c.w.ptr;
+    assert!(matches!(validate::bwd(&c, &o), Err(Error::Invalid(m)) if m.contains("overlaps")));
+}
+
+#[test]
+fn warm_up_shapes_are_checked_before_any_is_tuned() {
+    validate::warm_up(&[1, 100, 5000], V, D).unwrap();
+    assert!(matches!(validate::warm_up(&[100, 0], V, D), Err(Error::Shape(_))));
+    assert!(matches!(validate::warm_up(&[100], V, D + 3), Err(Error::Shape(_))));
+}
+
+/// Each rank's contribution to the current collective, and the barrier around it.
+type Slots = std::sync::Arc<(std::sync::Mutex<Vec<Option<Vec<f64>>>>, std::sync::Barrier)>;
+
+/// An in-process host communicator over threads (each rank adds its slice in rank order).
+struct Threads {
+    rank: usize,
+    shared: Slots,
+}
+
+impl HostComm for Threads {
+    fn all_reduce(&self, buf: &mut [f64], op: ReduceOp) -> lmhead::Result<()> {
+        let (slots, barrier) = &*self.shared;
+        slots.lock().unwrap()[self.rank] = Some(buf.to_vec());
+        barrier.wait();
+        {
+            let all = slots.lock().unwrap();
+            for (i, x) in buf.iter_mut().enumerate() {
+                let vals = all.iter().map(|s| s.as_ref().unwrap()[i]);
+                *x = match op {
+                    ReduceOp::Sum => vals.sum(),
+                    ReduceOp::Max => vals.fold(f64::NEG_INFINITY, f64::max),
+                };
+            }
+        }
+        barrier.wait();
+        Ok(())
+    }
+}
+
+/// The CPU backend's tensor-parallel forward and backward (three uneven shards) give the
+/// unsharded results: the protocol the Python package uses on CPU tensors with gloo.
+#[test]
+fn cpu_tensor_parallel_matches_unsharded() {
+    let case = lmhead_reference::Case::generate(7, 19, 101, 32, &lmhead_reference::Structure::default());
+    let (t, v, d) = (case.t, case.v, case.d);
+    let h: Vec<bf16> = case.h.iter().map(|&b| bf16::from_bits(b)).collect();
+    let w: Vec<bf16> = case.w.iter().map(|&b| bf16::from_bits(b)).collect();
+    let fo = FwdOptions { temperature: case.temperature as f32, ..Default::default() };
+    let bo = BwdOptions { temperature: case.temperature as f32, ..Default::default() };
+    let whole = cpu::forward(&h, &w, &case.labels, Problem::new(t, v, d), &fo, true).unwrap();
+    let g: Vec<f32> = (0..t).map(|i| 0.5 + (i % 3) as f32).collect();
+    let ge: Vec<f32> = (0..t).map(|i| (i % 2) as f32 - 0.25).collect();
+    let ent = whole.entropy.clone().unwrap();
+    let (dh, dw) = cpu::backward(&h, &w, &case.labels, Problem::new(t, v, d), &whole.lse, Some(&ent), Some(&g), Some(&ge), &bo).unwrap();
+    let n = 3;
+    let shared = std::sync::Arc::new((std::sync::Mutex::new(vec![None; n]), std::sync::Barrier::new(n)));
+    let outs: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let comm = Threads { rank, shared: shared.clone() };
+                let (h, w, labels, fo, bo, g, ge) = (&h, &w, &case.labels, &fo, &bo, &g, &ge);
+                s.spawn(move || {
+                    let (shard, vl) = Shard::even(rank, n, v);
+                    let ws = &w[shard.v_begin * d..(shard.v_begin + vl) * d];
+                    let p = Problem::new(t, vl, d);
+                    let f = cpu::forward_tp(&comm, h, ws, labels, p, shard, fo, true).unwrap();
+                    let e = f.entropy.clone().unwrap();
+                    let (dh, dw) = cpu::backward_tp(&comm, h, ws, labels, p, shard, &f.lse, Some(&e), Some(g), Some(ge), bo, true).unwrap();
+                    (f, dh, dw, shard.v_begin, vl)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let close = |a: &[f32], b: &[f32], what: &str| {
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!((x - y).abs() <= 1e-5 * y.abs().max(1.0) || (x.is_nan() && y.is_nan()), "{what}[{i}]: {x} vs {y}");
+        }
+    };
+    for (f, dh_r, dw_r, v0, vl) in &outs {
+        close(&f.logprob, &whole.logprob, "logprob");
+        close(&f.lse, &whole.lse, "lse");
+        close(f.entropy.as_ref().unwrap(), &ent, "entropy");
+        close(dh_r, &dh, "dh");
+        close(dw_r, &dw[v0 * d..(v0 + vl) * d], "dW shard");
+    }
+}
