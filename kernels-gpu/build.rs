@@ -1,7 +1,8 @@
 //! Generates the tuned entry points from `lmhead_core`'s candidate tables: one `ptx-kernel`
 //! function per (family, config), named by `lmhead_core::config::kernel_name`.
 
-use lmhead_core::config::{kernel_name, Family};
+use lmhead_core::config::Mainloop::{MmaSync, Sm90};
+use lmhead_core::config::{kernel_name, Family, Store};
 use std::fmt::Write;
 
 fn main() {
@@ -13,27 +14,29 @@ fn main() {
             let (mi, ni) = (c.warp_m() / 16, c.warp_n() / 8);
             let generics = format!("{}, {}, {}, {}, {}, {}, {mi}, {ni}", c.bm, c.bn, c.bk, c.stages, c.warps_m, c.warps_n);
             let wg = format!("{}, {}, {}, {}, {}", c.bm, c.bn, c.stages, c.warps_m / 4, c.bn / 128);
-            let (tma, mn) = (c.tma, c.mn);
-            assert!(!mn || matches!(family, Family::BwdDh | Family::BwdDw), "{family:?} {c:?}: only the GEMMs read operands in place");
-            let st = c.tma_store;
-            assert!(
-                !st || matches!(family, Family::BwdDlogits | Family::BwdDlogitsEnt),
-                "{family:?} {c:?}: only the d-logits store through TMA"
-            );
-            let (params, call) = match family {
-                Family::Fwd if c.wgmma => ("LogitsParams", format!("hopper::fwd_wg::<{wg}, false, {tma}>")),
-                Family::FwdEnt if c.wgmma => ("LogitsParams", format!("hopper::fwd_wg::<{wg}, true, {tma}>")),
-                Family::BwdDlogits if c.wgmma => ("LogitsParams", format!("hopper::dlogits_wg::<{wg}, false, {tma}, {st}>")),
-                Family::BwdDlogitsEnt if c.wgmma => ("LogitsParams", format!("hopper::dlogits_wg::<{wg}, true, {tma}, {st}>")),
+            // Every (family, mainloop) pair is named here: a new mainloop or family does not
+            // compile until it says what each pair builds, and the invalid pairs are refused.
+            let (params, call) = match (family, c.mainloop) {
+                (Family::Fwd, MmaSync) => ("LogitsParams", format!("fwd::fwd::<{generics}, false>")),
+                (Family::FwdEnt, MmaSync) => ("LogitsParams", format!("fwd::fwd::<{generics}, true>")),
+                (Family::BwdDlogits, MmaSync) => ("LogitsParams", format!("bwd::dlogits::<{generics}, false>")),
+                (Family::BwdDlogitsEnt, MmaSync) => ("LogitsParams", format!("bwd::dlogits::<{generics}, true>")),
+                (Family::BwdDh, MmaSync) => ("GemmParams", format!("bwd::gemm::<{generics}, true>")),
+                (Family::BwdDw, MmaSync) => ("GemmParams", format!("bwd::gemm::<{generics}, false>")),
+                (Family::Fwd, Sm90 { store: Store::Registers }) => ("LogitsParams", format!("hopper::fwd_wg::<{wg}, false>")),
+                (Family::FwdEnt, Sm90 { store: Store::Registers }) => ("LogitsParams", format!("hopper::fwd_wg::<{wg}, true>")),
+                (Family::BwdDlogits, Sm90 { store }) => {
+                    ("LogitsParams", format!("hopper::dlogits_wg::<{wg}, false, {}>", store == Store::Tma))
+                }
+                (Family::BwdDlogitsEnt, Sm90 { store }) => {
+                    ("LogitsParams", format!("hopper::dlogits_wg::<{wg}, true, {}>", store == Store::Tma))
+                }
                 // dh: A (staging) K-major, B (`W` chunk) MN-major in place; dW: both in place.
-                Family::BwdDh if c.wgmma => ("GemmParams", format!("hopper::gemm_wg::<{wg}, {tma}, false, {mn}>")),
-                Family::BwdDw if c.wgmma => ("GemmParams", format!("hopper::gemm_wg::<{wg}, {tma}, {mn}, {mn}>")),
-                Family::Fwd => ("LogitsParams", format!("fwd::fwd::<{generics}, false>")),
-                Family::FwdEnt => ("LogitsParams", format!("fwd::fwd::<{generics}, true>")),
-                Family::BwdDlogits => ("LogitsParams", format!("bwd::dlogits::<{generics}, false>")),
-                Family::BwdDlogitsEnt => ("LogitsParams", format!("bwd::dlogits::<{generics}, true>")),
-                Family::BwdDh => ("GemmParams", format!("bwd::gemm::<{generics}, true>")),
-                Family::BwdDw => ("GemmParams", format!("bwd::gemm::<{generics}, false>")),
+                (Family::BwdDh, Sm90 { store: Store::Registers }) => ("GemmParams", format!("hopper::gemm_wg::<{wg}, false, true>")),
+                (Family::BwdDw, Sm90 { store: Store::Registers }) => ("GemmParams", format!("hopper::gemm_wg::<{wg}, true, true>")),
+                (Family::Fwd | Family::FwdEnt | Family::BwdDh | Family::BwdDw, Sm90 { store: Store::Tma }) => {
+                    panic!("{family:?} {c:?}: only the d-logits store their tile through TMA")
+                }
             };
             writeln!(
                 out,

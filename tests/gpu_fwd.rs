@@ -171,19 +171,14 @@ fn run_all(test: &str, cases: &[FwdCase]) {
     }
 }
 
-/// The first compiled `wgmma` (Hopper mainloop, `cp.async` ring) candidate of the forward.
-fn hopper_cfg() -> lmhead::TileConfig {
-    *Family::Fwd.candidates().iter().find(|c| c.wgmma && !c.tma).expect("a wgmma candidate")
-}
-
-/// The first compiled warp-specialised TMA candidate of the forward.
+/// The first compiled sm90 (warp-specialised TMA + `wgmma`) candidate of the forward.
 fn tma_cfg() -> lmhead::TileConfig {
-    *Family::Fwd.candidates().iter().find(|c| c.tma).expect("a TMA candidate")
+    *Family::Fwd.candidates().iter().find(|c| c.is_sm90()).expect("an sm90 candidate")
 }
 
 /// The shape list (not the full cross product: each M, V and H value appears), with
-/// entropy on and off, both label widths, and the three mainloops (`mma.sync` fallback, `wgmma`
-/// with a `cp.async` ring, warp-specialised TMA + `wgmma`).
+/// entropy on and off, both label widths, and both mainloops (`mma.sync` fallback, sm90
+/// warp-specialised TMA + `wgmma`).
 #[test]
 fn shapes() {
     let mut cases = Vec::new();
@@ -207,8 +202,6 @@ fn shapes() {
         c.i64_labels = i % 3 == 0;
         cases.push(c.clone());
         c.entropy = !c.entropy;
-        c.choice = Choice::Fixed(hopper_cfg());
-        cases.push(c.clone());
         c.choice = Choice::Fixed(tma_cfg());
         cases.push(c.clone());
         c.entropy = !c.entropy;
@@ -238,11 +231,7 @@ fn structures() {
             let mut c = FwdCase::new(300, 5003, 512);
             c.s = s.clone();
             c.entropy = entropy;
-            // The log-prob-only run on the Hopper mainloop, the entropy run on the fallback, and
-            // both on the TMA mainloop.
-            if !entropy {
-                c.choice = Choice::Fixed(hopper_cfg());
-            }
+            // Both on the fallback and on the sm90 mainloop.
             cases.push(c.clone());
             c.choice = Choice::Fixed(tma_cfg());
             cases.push(c);

@@ -104,18 +104,7 @@ fn bad_inputs_are_typed_errors_and_leave_buffers_untouched() {
         assert!(untouched(&lp));
     }
     // A fixed config that is not a compiled candidate.
-    let bogus = lmhead::TileConfig {
-        bm: 96,
-        bn: 96,
-        bk: 32,
-        stages: 2,
-        warps_m: 2,
-        warps_n: 2,
-        wgmma: false,
-        tma: false,
-        mn: false,
-        tma_store: false,
-    };
+    let bogus = lmhead::TileConfig { bm: 96, bn: 96, bk: 32, stages: 2, warps_m: 2, warps_n: 2, mainloop: lmhead::Mainloop::MmaSync };
     let (r, _, _) = run(&s.h, &s.w, &s.labels, p, &FwdOptions { config: Choice::Fixed(bogus), ..o.clone() });
     assert!(matches!(r, Err(Error::Config(_))), "{r:?}");
     // Tensor-parallel shard outside the vocabulary.

@@ -3,13 +3,12 @@
 //! tile of each width (descriptors, instruction wrappers and the accumulator layout the
 //! epilogues assume) against an f64 product, also with B stored MN-major (`imm-trans-b`, the
 //! layout the backward GEMMs' in-place operands use); the `tma_store` d-logits epilogue
-//! (`stmatrix` into swizzled boxes, TMA store, clipping at the tensor's edges); and the bf16 transpose the K-major
-//! `wgmma` GEMM candidates read (bit-exact, zero padding, nothing written past it). Outputs are
+//! (`stmatrix` into swizzled boxes, TMA store, clipping at the tensor's edges). Outputs are
 //! poisoned before each launch.
 
 use lmhead::bf16;
 use lmhead::cudarc::driver::CudaSlice;
-use lmhead::launch::{dev_in, dev_out, transpose_bf16, unit_tma_copy, unit_tma_store, unit_wgmma, unit_wgmma_mn};
+use lmhead::launch::{dev_in, dev_out, unit_tma_copy, unit_tma_store, unit_wgmma, unit_wgmma_mn};
 use lmhead::testing::{poison, upload_bf16};
 use lmhead_reference::rng::Rng;
 use lmhead_tests::{case_seed, gpu_or_skip, run_seed};
@@ -176,58 +175,4 @@ fn wgmma_mn_major_b_matches_f64() {
         results.push(max_rel);
     }
     assert!(results[0] <= 1e-5, "the claimed MN-major layout {claimed:?} is wrong (swapped: {:.2e}; seed {seed})", results[1]);
-}
-
-/// `dst[c][r] = src[r][c]` bit for bit, zeros for `rows ≤ r < dst_cols`, and the poison left
-/// alone past `dst_cols`: aligned shapes with ragged tails (the 16-byte paths), odd strides and
-/// a source that starts 2 bytes into its buffer (the element-by-element paths), and a matrix of
-/// more tiles than the grid has blocks (the grid-stride loop).
-#[test]
-fn transpose_is_exact_and_pads_with_zeros() {
-    let test = "gpu_units::transpose";
-    let Some((head, stream)) = gpu_or_skip(test) else { return };
-    let seed = run_seed(test);
-    // (rows, cols, src_stride, src offset in elements, dst_stride, dst_cols)
-    let cases = [
-        (300usize, 4099usize, 4104usize, 0usize, 304usize, 304usize),
-        (1000, 136, 136, 0, 1008, 1000),
-        (77, 51, 53, 0, 83, 80),
-        (129, 200, 4104, 1, 136, 136),
-        (8192, 2048, 2048, 0, 8192, 8192),
-        (1, 1, 1, 0, 8, 8),
-    ];
-    for (i, &(rows, cols, ss, off, ds, dc)) in cases.iter().enumerate() {
-        let src = bf16_values(case_seed(seed, i), off + rows * ss);
-        let d_src = upload_bf16(&stream, &src).unwrap();
-        let mut out: CudaSlice<bf16> = stream.alloc_zeros(cols * ds).unwrap();
-        poison(&stream, &mut out).unwrap();
-        {
-            let s = dev_in(&d_src, &stream, "src").unwrap();
-            let s = s.sub(off, rows * ss, 2).unwrap();
-            let o = dev_out(&mut out, &stream, "dst").unwrap();
-            transpose_bf16(head.gpu(), &stream, (rows, cols, ss), &s, (ds, dc), &o).unwrap();
-        }
-        let got: Vec<u16> = stream.clone_dtoh(&out).unwrap().iter().map(|x| x.to_bits()).collect();
-        let mut bad = 0;
-        for c in 0..cols {
-            for r in 0..ds {
-                let want = match r {
-                    r if r < rows => src[off + r * ss + c],
-                    r if r < dc => 0,
-                    _ => 0xFFFF,
-                };
-                if got[c * ds + r] != want {
-                    bad += 1;
-                    if bad <= 5 {
-                        eprintln!("case {i}: dst[{c}][{r}] = {:#06x}, want {want:#06x}", got[c * ds + r]);
-                    }
-                }
-            }
-        }
-        println!(
-            "[{test}] seed {seed} rows {rows} cols {cols} src stride {ss} (+{off}) dst stride {ds} cols {dc}: {bad} wrong of {}",
-            cols * ds
-        );
-        assert_eq!(bad, 0);
-    }
 }

@@ -105,8 +105,7 @@ fn disabled_fallback_and_fixed() {
     assert_eq!(tuner.pick(&key(10), Choice::Fallback, &mut never).unwrap(), Family::Fwd.fallback());
     let c = Family::Fwd.candidates()[2];
     assert_eq!(tuner.pick(&key(10), Choice::Fixed(c), &mut never).unwrap(), c);
-    let bogus =
-        TileConfig { bm: 48, bn: 48, bk: 48, stages: 1, warps_m: 1, warps_n: 1, wgmma: false, tma: false, mn: false, tma_store: false };
+    let bogus = TileConfig { bm: 48, bn: 48, bk: 48, stages: 1, warps_m: 1, warps_n: 1, mainloop: lmhead::Mainloop::MmaSync };
     assert!(matches!(tuner.pick(&key(10), Choice::Fixed(bogus), &mut never), Err(Error::Config(_))));
 }
 

@@ -289,7 +289,7 @@ fn main() {
         }
     };
     if !lmhead::driver_present() {
-        eprintln!("lmhead-bench: no CUDA driver on this machine; the benchmark needs an H100/H200 (see docs/BENCHMARKS.md)");
+        eprintln!("lmhead-bench: no CUDA driver on this machine; the benchmark needs an H100/H200 (see docs/PERFORMANCE.md)");
         std::process::exit(1);
     }
     let head = LmHead::new(0).unwrap_or_else(|e| {

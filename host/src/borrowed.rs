@@ -7,9 +7,9 @@
 //! `torch.cuda.current_stream().cuda_stream`; 0 is the legacy default stream) without taking
 //! ownership.
 //!
-//! The library's own workspace stays correct when calls come on different streams: each call
-//! makes its stream wait for the previous call's stream before touching the workspace (see
-//! `LmHead::enter`).
+//! The library's own workspace stays correct when calls come on different streams: it lives on
+//! a stream of the library's own, and cudarc orders every use of it by events (see
+//! `workspace.rs`).
 
 use std::marker::PhantomData;
 use std::sync::Arc;

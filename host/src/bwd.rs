@@ -34,7 +34,7 @@ use crate::{bf16, LabelType, LmHead};
 /// The staging buffer the automatic chunk width aims for: `t · S` bf16 within 512 MiB.
 pub const STAGING_BUDGET_BYTES: usize = 512 << 20;
 /// The narrowest automatic chunk: below it the chunk's launches and `dh` accumulator passes
-/// cost more than a few percent (docs/perf-notes.md), so long sequences go over the budget
+/// cost more than a few percent (docs/PERFORMANCE.md), so long sequences go over the budget
 /// rather than below this (`t · 16 KiB`: 1 GiB at t = 65536).
 pub const MIN_AUTO_CHUNK: usize = 8192;
 /// The widest automatic chunk (32768 columns: fwd+bwd 4–9% faster than 8192 at t ≤ 8192 in the
@@ -47,7 +47,7 @@ pub const MAX_AUTO_CHUNK: usize = 32768;
 /// t = 8192, 16384 at 16384, 8192 from 32768 tokens on): fewer, wider chunks mean fewer passes
 /// over `dh`'s f32 accumulator and larger GEMMs per launch. For any other `d`: 8192.
 ///
-/// An empirical rule, from fwd+bwd on the H200 (docs/perf-notes.md, "The chunk width"): the wide
+/// An empirical rule, from fwd+bwd on the H200 (docs/PERFORMANCE.md, "What limits each kernel"): the wide
 /// chunk ran 4–9% faster than 8192 at d = 4096 and 8192 (several runs), but 11–15% slower at
 /// d = 5120 (t = 8192, local v = 38016: 5.25× and 5.31× a GEMM against 4.45–4.62×; t = 16384:
 /// 4.76–4.93× against 4.54–4.65×), for a reason not found yet. Choosing by the autotuner's
@@ -267,23 +267,7 @@ impl LmHead {
             let src = &mut ws.src;
             let staging = ws.staging.get(src, stream, p.t * stride)?;
             let staging = dev_out(staging, stream, "staging")?;
-            // K-major copies for the Hopper GEMMs (only for wgmma configs that need them).
-            let t8 = p.t.next_multiple_of(8);
-            let wt = match cfg_dh.reads_k_major_copies() {
-                true => Some(dev_out(ws.w_chunk_t.get(src, stream, p.d * stride)?, stream, "transposed W chunk")?),
-                false => None,
-            };
-            let (st_t, ht) = match dw.is_some() && cfg_dw.reads_k_major_copies() {
-                true => (
-                    Some(dev_out(ws.staging_t.get(src, stream, chunk * t8)?, stream, "transposed staging")?),
-                    Some(dev_out(ws.h_t.get(src, stream, p.d * t8)?, stream, "transposed h")?),
-                ),
-                false => (None, None),
-            };
-            let g = Gemms { gpu: &self.gpu, stream, p, stride, w, h, wt: wt.as_ref(), st_t: st_t.as_ref(), ht: ht.as_ref() };
-            if dw.is_some() {
-                g.prepare(cfg_dw)?;
-            }
+            let g = Gemms { gpu: &self.gpu, stream, p, stride, w, h };
             // The f32 accumulator of dh: the caller's buffer when f32, else the workspace's
             // (not needed for a single chunk written straight to bf16 without reduction).
             let reduce_bf16 = reduce_dh.is_some() && !dh.f32;
@@ -321,8 +305,7 @@ impl LmHead {
                 }
             }
         }
-        let workspace_bytes =
-            guard.staging.bytes() + guard.dh_acc.bytes() + guard.staging_t.bytes() + guard.w_chunk_t.bytes() + guard.h_t.bytes();
+        let workspace_bytes = guard.staging.bytes() + guard.dh_acc.bytes();
         Ok(BwdReport { dlogits: cfg_dl, dh: cfg_dh, dw: dw.map(|_| cfg_dw), chunk, chunks, workspace_bytes })
     }
 
@@ -351,19 +334,16 @@ impl LmHead {
         // Scratch for the trials (allocated only when something is tuned).
         let mut scratch = if needs_tuning {
             let alloc = |n: usize, what: &'static str| stream.alloc_zeros::<bf16>(n).map_err(|_| Error::OutOfMemory { what, bytes: 2 * n });
-            let t8 = p.t.next_multiple_of(8);
             Some((
                 alloc(p.t * stride, "tuning staging")?,
                 stream.alloc_zeros::<f32>(p.t * p.d).map_err(|_| Error::OutOfMemory { what: "tuning dh", bytes: 4 * p.t * p.d })?,
-                alloc(chunk * p.d, "tuning dW")?,
-                // K-major copies for the wgmma candidates: W chunkᵀ, stagingᵀ, hᵀ.
-                (alloc(p.d * stride, "tuning W chunkT")?, alloc(chunk * t8, "tuning stagingT")?, alloc(p.d * t8, "tuning hT")?),
+                alloc(if with_dw { chunk * p.d } else { 1 }, "tuning dW")?,
             ))
         } else {
             None
         };
         let cfg_dl = self.tuner.pick(&TuneKey::new(fam_dl, chunk_problem, tp), choice.dlogits, &mut |cfg| {
-            let (st, _, _, _) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
+            let (st, _, _) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
             let ms = crate::tune::bench::time_ms(stream, || {
                 let sd = dev_out(&mut *st, stream, "tuning staging")?;
                 launch::bwd_dlogits(&self.gpu, stream, cfg, dims, sc, (0, chunk, stride), h, w, labels, lse, gl, ent, &sd)
@@ -371,35 +351,26 @@ impl LmHead {
             Ok(crate::tune::Trial { ms, check: sample_dtoh(stream, &*st, "tuning staging", |x| x.to_f64())? })
         })?;
         // The GEMM trials read the staging buffer the fallback d-logits left in scratch.
-        if let Some((st, _, _, _)) = scratch.as_mut() {
+        if let Some((st, _, _)) = scratch.as_mut() {
             let sd = dev_out(&mut *st, stream, "tuning staging")?;
             launch::bwd_dlogits(&self.gpu, stream, cfg_dl, dims, sc, (0, chunk, stride), h, w, labels, lse, gl, ent, &sd)?;
         }
         let cfg_dh = self.tuner.pick(&TuneKey::new(Family::BwdDh, chunk_problem, tp), choice.dh, &mut |cfg| {
-            let (st, acc, _, (wt, _, _)) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
+            let (st, acc, _) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
             let ms = crate::tune::bench::time_ms(stream, || {
                 let sd = dev_in(&*st, stream, "tuning staging")?;
                 let ad = dev_out(&mut *acc, stream, "tuning dh")?;
-                let wtd = dev_out(&mut *wt, stream, "tuning W chunkT")?;
-                let g = Gemms { gpu: &self.gpu, stream, p, stride, w, h, wt: Some(&wtd), st_t: None, ht: None };
+                let g = Gemms { gpu: &self.gpu, stream, p, stride, w, h };
                 g.dh(cfg, (0, chunk), &sd, Some(&ad), None, GemmOut { accumulate: false, write_acc: true, out_f32: true })
             })?;
             Ok(crate::tune::Trial { ms, check: sample_dtoh(stream, &*acc, "tuning dh", f64::from)? })
         })?;
         let cfg_dw = self.tuner.pick(&TuneKey::new(Family::BwdDw, chunk_problem, tp), choice.dw, &mut |cfg| {
-            let (st, _, out, (_, stt, ht)) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
-            {
-                // hᵀ once per call, as in the real backward (outside the timing).
-                let htd = dev_out(&mut *ht, stream, "tuning hT")?;
-                let g = Gemms { gpu: &self.gpu, stream, p, stride, w, h, wt: None, st_t: None, ht: Some(&htd) };
-                g.prepare(cfg)?;
-            }
+            let (st, _, out) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
             let ms = crate::tune::bench::time_ms(stream, || {
                 let sd = dev_in(&*st, stream, "tuning staging")?;
                 let od = dev_out(&mut *out, stream, "tuning dW")?;
-                let sttd = dev_out(&mut *stt, stream, "tuning stagingT")?;
-                let htd = dev_in(&*ht, stream, "tuning hT")?;
-                let g = Gemms { gpu: &self.gpu, stream, p, stride, w, h, wt: None, st_t: Some(&sttd), ht: Some(&htd) };
+                let g = Gemms { gpu: &self.gpu, stream, p, stride, w, h };
                 g.dw(cfg, chunk, &sd, &od, GemmOut { accumulate: false, write_acc: false, out_f32: false })
             })?;
             Ok(crate::tune::Trial { ms, check: sample_dtoh(stream, &*out, "tuning dW", |x| x.to_f64())? })
@@ -442,11 +413,9 @@ fn sample_runs(n: usize) -> Vec<std::ops::Range<usize>> {
     (0..SAMPLE_RUNS).map(|r| r * gap..r * gap + SAMPLE_RUN).collect()
 }
 
-/// The two backward GEMMs of a chunk with any kernel kind: `mma.sync` configs and the TMA
-/// configs with `mn` read the staging buffer, `W` and `h` as they are (N-major B, M-major A for
-/// dW); the other `wgmma` configs read K-major copies made here by the transpose kernel (`wt`:
-/// the `W` chunk `[d][stride]`, `st_t`: the staging chunk `[cw][t8]`, `ht`: `h` `[d][t8]`,
-/// padding zeros).
+/// The two backward GEMMs of a chunk, on the operands as stored: the staging buffer, `W` and
+/// `h` (the `mma.sync` configs through their own bounds-checked loads, the sm90 ones through
+/// tensor maps).
 struct Gemms<'a> {
     gpu: &'a crate::device::Gpu,
     stream: &'a Arc<CudaStream>,
@@ -454,25 +423,9 @@ struct Gemms<'a> {
     stride: usize,
     w: &'a Dev<'a>,
     h: &'a Dev<'a>,
-    wt: Option<&'a Dev<'a>>,
-    st_t: Option<&'a Dev<'a>>,
-    ht: Option<&'a Dev<'a>>,
 }
 
 impl Gemms<'_> {
-    fn t8(&self) -> usize {
-        self.p.t.next_multiple_of(8)
-    }
-
-    /// Once per call: `h`ᵀ for a dW config that reads K-major copies.
-    fn prepare(&self, cfg_dw: TileConfig) -> Result<()> {
-        if cfg_dw.reads_k_major_copies() {
-            let ht = self.ht.ok_or_else(|| Error::Config("no buffer for hᵀ".into()))?;
-            launch::transpose_bf16(self.gpu, self.stream, (self.p.t, self.p.d, self.p.d), self.h, (self.t8(), self.t8()), ht)?;
-        }
-        Ok(())
-    }
-
     /// `dh (+)= staging[:, :cw] · W[c0 .. c0 + cw]`.
     fn dh(
         &self,
@@ -485,39 +438,13 @@ impl Gemms<'_> {
     ) -> Result<()> {
         let (p, stride) = (self.p, self.stride);
         let w_chunk = self.w.sub(c0 * p.d, cw * p.d, 2)?;
-        if cfg.reads_k_major_copies() {
-            let wt = self.wt.ok_or_else(|| Error::Config("no buffer for W chunkᵀ".into()))?;
-            launch::transpose_bf16(self.gpu, self.stream, (cw, p.d, p.d), &w_chunk, (stride, stride), wt)?;
-            launch::bwd_gemm_kk(self.gpu, self.stream, Family::BwdDh, cfg, (p.t, p.d, cw), (staging, stride), (wt, stride), acc, out, mode)
-        } else {
-            launch::bwd_gemm(self.gpu, self.stream, Family::BwdDh, cfg, (p.t, p.d, cw), (staging, stride), (&w_chunk, p.d), acc, out, mode)
-        }
+        launch::bwd_gemm(self.gpu, self.stream, Family::BwdDh, cfg, (p.t, p.d, cw), (staging, stride), (&w_chunk, p.d), acc, out, mode)
     }
 
     /// `dW_chunk = staging[:, :cw]ᵀ · h` into `out` (`[cw][d]`).
     fn dw(&self, cfg: TileConfig, cw: usize, staging: &Dev, out: &Dev, mode: GemmOut) -> Result<()> {
-        let (p, stride, t8) = (self.p, self.stride, self.t8());
-        if cfg.reads_k_major_copies() {
-            let (st_t, ht) = match (self.st_t, self.ht) {
-                (Some(a), Some(b)) => (a, b),
-                _ => return Err(Error::Config("no buffers for stagingᵀ / hᵀ".into())),
-            };
-            launch::transpose_bf16(self.gpu, self.stream, (p.t, cw, stride), staging, (t8, t8), st_t)?;
-            launch::bwd_gemm_kk(self.gpu, self.stream, Family::BwdDw, cfg, (cw, p.d, p.t), (st_t, t8), (ht, t8), None, Some(out), mode)
-        } else {
-            launch::bwd_gemm(
-                self.gpu,
-                self.stream,
-                Family::BwdDw,
-                cfg,
-                (cw, p.d, p.t),
-                (staging, stride),
-                (self.h, p.d),
-                None,
-                Some(out),
-                mode,
-            )
-        }
+        let (p, stride) = (self.p, self.stride);
+        launch::bwd_gemm(self.gpu, self.stream, Family::BwdDw, cfg, (cw, p.d, p.t), (staging, stride), (self.h, p.d), None, Some(out), mode)
     }
 }
 

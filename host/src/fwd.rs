@@ -247,7 +247,7 @@ impl LmHead {
         let n_tiles = p.v.div_ceil(cfg.bn as usize) as u32;
         let ov = Overrides::get();
         // The Hopper forward reads the raster order; its plan keeps resident rows of `h` in L2.
-        let plan = if cfg.wgmma && self.gpu.info().l2_bytes > 0 && !ov.fwd_l2_off {
+        let plan = if cfg.is_sm90() && self.gpu.info().l2_bytes > 0 && !ov.fwd_l2_off {
             split::plan_l2(m_tiles, n_tiles, slots, split::L2Model::of(cfg.bm.into(), p.d as u64, self.gpu.info().l2_bytes))
         } else {
             split::plan(m_tiles, n_tiles, slots)

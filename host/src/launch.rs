@@ -13,9 +13,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop};
 use lmhead_core::config::{fixed, kernel_name, Family, TileConfig};
-use lmhead_core::params::{
-    CastParams, GemmParams, LogitsParams, MergeParams, NaiveParams, TransposeParams, UnitParams, LABELS_I32, LABELS_I64,
-};
+use lmhead_core::params::{CastParams, GemmParams, LogitsParams, MergeParams, NaiveParams, UnitParams, LABELS_I32, LABELS_I64};
 use lmhead_core::split;
 
 use crate::device::Gpu;
@@ -133,8 +131,6 @@ unsafe impl DeviceRepr for Arg<CastParams> {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for Arg<NaiveParams> {}
 // SAFETY: as above.
-unsafe impl DeviceRepr for Arg<TransposeParams> {}
-// SAFETY: as above.
 unsafe impl DeviceRepr for Arg<UnitParams> {}
 // SAFETY: `Partial` is `#[repr(C, align(16))]` of four f32; any bit pattern is valid.
 unsafe impl DeviceRepr for crate::workspace::PartialRepr {}
@@ -247,7 +243,7 @@ fn tma_maps(stream: &Arc<CudaStream>, ops: &[TmaOperand]) -> Result<(CudaSlice<u
 /// [`tma_maps`] for a TMA `cfg`; for any other config no buffer and address 0 (the kernel's
 /// `tmaps` parameter is then unused).
 fn tma_maps_for(cfg: TileConfig, stream: &Arc<CudaStream>, ops: &[TmaOperand]) -> Result<(Option<CudaSlice<u8>>, u64)> {
-    if !cfg.tma {
+    if !cfg.is_sm90() {
         return Ok((None, 0));
     }
     let (buf, addr) = tma_maps(stream, ops)?;
@@ -325,7 +321,7 @@ pub fn fwd_mainloop(
         label_kind: labels.kind,
         tiles_per_split,
         // Only the Hopper forward reads the raster order.
-        raster_group: if cfg.wgmma { plan.raster_group } else { 0 },
+        raster_group: if cfg.is_sm90() { plan.raster_group } else { 0 },
         ..Default::default()
     };
     sc.fill(&mut p);
@@ -346,10 +342,10 @@ pub fn fwd_mainloop(
 /// gives the consecutive n tiles per block and the raster group. With one tile per block, as
 /// the `cp.async` kernels take them, every tile pays a pipeline fill and an exposed epilogue
 /// (measured on the H200 at t = 8192, d = 4096, chunks of 8192: d-logits ≈ 1.5× and `dh` ≈ 1.3×
-/// the time per FLOP of the whole-vocab cuBLAS GEMM; docs/perf-notes.md). `LMHEAD_BWD_TILES`
+/// the time per FLOP of the whole-vocab cuBLAS GEMM). `LMHEAD_BWD_TILES`
 /// and `LMHEAD_BWD_RASTER` override the plan ([`crate::overrides`]).
 fn bwd_plan(gpu: &Gpu, cfg: TileConfig, m_tiles: u32, n_tiles: u32, k: usize) -> split::SplitPlan {
-    if !cfg.wgmma {
+    if !cfg.is_sm90() {
         return split::SplitPlan { tiles_per_split: 1, n_splits: n_tiles, raster_group: 0 };
     }
     let info = gpu.info();
@@ -418,7 +414,7 @@ pub fn bwd_dlogits(
     let a_map = TmaOperand::k_major(hp, dims.t, dims.d, dims.d, cfg.bm);
     let b_map = TmaOperand::k_major(wp, chunk_begin + chunk, dims.d, dims.d, cfg.bn);
     let store_map = TmaOperand::k_major(p.staging, dims.t, stride, stride, 64);
-    let ops: &[TmaOperand] = if cfg.tma_store { &[a_map, b_map, store_map] } else { &[a_map, b_map] };
+    let ops: &[TmaOperand] = if cfg.mainloop.tma_store() { &[a_map, b_map, store_map] } else { &[a_map, b_map] };
     let (maps, tmaps) = tma_maps_for(cfg, stream, ops)?;
     p.tmaps = tmaps;
     // Columns beyond the chunk up to a whole tile are written only below `stride`.
@@ -440,8 +436,8 @@ pub struct GemmOut {
 
 /// `C[m][n] (+)= Σ_k A · B` for the backward, on the operands as stored: `family` is `BwdDh`
 /// (A `[m][k]` K-major) or `BwdDw` (A `[k][m]` M-major, i.e. the staging buffer read
-/// transposed); B is `[k][n]`. `cfg` is an `mma.sync` config or a TMA one that reads operands in
-/// place (`cfg.mn`); other `wgmma` configs read K-major copies ([`bwd_gemm_kk`]).
+/// transposed); B is `[k][n]`. `cfg` is an `mma.sync` config or an sm90 one (which reads the
+/// operands in place through tensor maps).
 #[allow(clippy::too_many_arguments)]
 pub fn bwd_gemm(
     gpu: &Gpu,
@@ -455,9 +451,6 @@ pub fn bwd_gemm(
     out: Option<&Dev>,
     mode: GemmOut,
 ) -> Result<()> {
-    if cfg.reads_k_major_copies() {
-        return Err(Error::Config(format!("{cfg:?} reads K-major operands: use bwd_gemm_kk")));
-    }
     if n % 8 != 0 || a_stride % 8 != 0 || b_stride % 8 != 0 || b_stride < n {
         return Err(Error::Config(format!("gemm needs n, strides multiples of 8 (n {n}, strides {a_stride}, {b_stride})")));
     }
@@ -533,69 +526,6 @@ fn launch_gemm(
     launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
     drop(maps);
     Ok(())
-}
-
-/// `C[m][n] (+)= Σ_k A[m][k] · B[n][k]` on the Hopper `wgmma` GEMM: both operands K-major
-/// (`a_stride`, `b_stride` ≥ `k` rounded up to 8, padding zeros), the output as in
-/// [`bwd_gemm`]. `cfg` must be a `wgmma` candidate of `family` (`BwdDh` or `BwdDw`).
-#[allow(clippy::too_many_arguments)]
-pub fn bwd_gemm_kk(
-    gpu: &Gpu,
-    stream: &Arc<CudaStream>,
-    family: Family,
-    cfg: TileConfig,
-    (m, n, k): (usize, usize, usize),
-    (a, a_stride): (&Dev, usize),
-    (b, b_stride): (&Dev, usize),
-    acc: Option<&Dev>,
-    out: Option<&Dev>,
-    mode: GemmOut,
-) -> Result<()> {
-    if !cfg.wgmma || !matches!(family, Family::BwdDh | Family::BwdDw) {
-        return Err(Error::Config(format!("{cfg:?} is not a wgmma GEMM config of {family:?}")));
-    }
-    let k8 = k.next_multiple_of(8);
-    if n % 8 != 0 || a_stride < k8 || b_stride < k8 || a_stride % 8 != 0 || b_stride % 8 != 0 {
-        return Err(Error::Config(format!(
-            "K-major gemm needs n % 8 == 0 and strides ≥ k rounded to 8 (n {n}, k {k}, strides {a_stride}, {b_stride})"
-        )));
-    }
-    if cfg.mn {
-        return Err(Error::Config(format!("{cfg:?} reads the operands in place: use bwd_gemm")));
-    }
-    let (a, b) = (a.check(m * a_stride, 16)?, b.check(n * b_stride, 16)?);
-    let maps = (TmaOperand::k_major(a, m, k, a_stride, cfg.bm), TmaOperand::k_major(b, n, k, b_stride, cfg.bn));
-    launch_gemm(gpu, stream, family, cfg, (m, n, k), (a, a_stride), (b, b_stride), maps, acc, out, mode)
-}
-
-/// `dst[c][r] = src[r][c]` for `r < rows`, `c < cols`, zeros for `rows ≤ r < dst_cols` (bf16).
-pub fn transpose_bf16(
-    gpu: &Gpu,
-    stream: &CudaStream,
-    (rows, cols, src_stride): (usize, usize, usize),
-    src: &Dev,
-    (dst_stride, dst_cols): (usize, usize),
-    dst: &Dev,
-) -> Result<()> {
-    if src_stride < cols || dst_stride < dst_cols || dst_cols < rows {
-        return Err(Error::Config(format!("bad transpose {rows}×{cols} (strides {src_stride}, {dst_stride}, dst_cols {dst_cols})")));
-    }
-    let p = TransposeParams {
-        src: src.check(rows * src_stride, 2)?,
-        dst: dst.check(cols * dst_stride, 2)?,
-        src_stride: src_stride as u64,
-        dst_stride: dst_stride as u64,
-        rows: rows as u32,
-        cols: cols as u32,
-        dst_cols: dst_cols as u32,
-        _pad: 0,
-    };
-    // Square tiles of `TRANSPOSE_TILE`, one tile of shared memory per block; 8 blocks of 256
-    // threads fill an SM (the kernel loops over the tiles beyond the grid).
-    let tile = fixed::TRANSPOSE_TILE as usize;
-    let tiles = (dst_cols.div_ceil(tile) * cols.div_ceil(tile)).max(1);
-    let blocks = tiles.min(gpu.info().sm_count as usize * 8) as u32;
-    launch(gpu, stream, fixed::TRANSPOSE_BF16, (tile * tile * 2) as u32, (blocks, 1), fixed::THREADS, p)
 }
 
 /// Which per-row merge kernel.

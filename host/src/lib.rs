@@ -36,6 +36,7 @@ pub use cudarc;
 pub use device::{driver_present, DeviceInfo, Gpu, KernelReport};
 pub use error::{Error, Result};
 pub use half::bf16;
+pub use lmhead_core::config::{Mainloop, Store};
 pub use lmhead_core::{Family, Problem, TileConfig, TokenBucket};
 
 pub use borrowed::{borrowed_stream, Borrowed};

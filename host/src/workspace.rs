@@ -154,10 +154,6 @@ pub struct Workspace {
     pub status: Grow<u32>,
     pub staging: Grow<half::bf16>,
     pub dh_acc: Grow<f32>,
-    /// K-major copies for the Hopper backward GEMMs: stagingᵀ, the `W` chunk ᵀ, `h`ᵀ.
-    pub staging_t: Grow<half::bf16>,
-    pub w_chunk_t: Grow<half::bf16>,
-    pub h_t: Grow<half::bf16>,
 }
 
 impl Workspace {
@@ -169,9 +165,6 @@ impl Workspace {
             status: Grow::new("status word"),
             staging: Grow::new("backward d-logits staging"),
             dh_acc: Grow::new("dh f32 accumulator"),
-            staging_t: Grow::new("transposed staging"),
-            w_chunk_t: Grow::new("transposed W chunk"),
-            h_t: Grow::new("transposed h"),
         }
     }
 
@@ -184,14 +177,7 @@ impl Workspace {
 
     /// Bytes currently held.
     pub fn bytes(&self) -> usize {
-        self.partials.bytes()
-            + self.row_state.bytes()
-            + self.status.bytes()
-            + self.staging.bytes()
-            + self.dh_acc.bytes()
-            + self.staging_t.bytes()
-            + self.w_chunk_t.bytes()
-            + self.h_t.bytes()
+        self.partials.bytes() + self.row_state.bytes() + self.status.bytes() + self.staging.bytes() + self.dh_acc.bytes()
     }
 
     pub fn release(&mut self) {
@@ -200,9 +186,6 @@ impl Workspace {
         self.status.release();
         self.staging.release();
         self.dh_acc.release();
-        self.staging_t.release();
-        self.w_chunk_t.release();
-        self.h_t.release();
     }
 
     /// The end of a call: buffers from the caller's allocator are forgotten.
@@ -212,9 +195,6 @@ impl Workspace {
         self.status.end_call();
         self.staging.end_call();
         self.dh_acc.end_call();
-        self.staging_t.end_call();
-        self.w_chunk_t.end_call();
-        self.h_t.end_call();
     }
 }
 

@@ -1,32 +1,28 @@
-//! The Hopper mainloop: `wgmma.mma_async` on operands in shared memory (128-byte swizzle,
-//! descriptors from `lmhead_core::wgmma`), fed by a multi-stage `cp.async` ring, and the fused
-//! forward built on it.
+//! The sm90 mainloop: a warp-specialised pipeline in which a producer warpgroup loads 64-deep
+//! stages with the tensor memory accelerator (tensor maps made by the host) into an mbarrier
+//! full/empty ring, and the consumer warpgroups issue `wgmma.mma_async` on the stages
+//! (128-byte swizzle, descriptors from `lmhead_core::wgmma`) and run the epilogue; and the three
+//! kernels built on it: the fused forward, the backward d-logits, and the backward GEMMs.
 //!
-//! `T≙M, V≙N, D≙K`. A block has `WGM` warpgroups (4 warps each) stacked along M, each owning 64
-//! rows of the `BM = 64·WGM` token tile and all `BN = 128·NW` vocab columns (NW `m64n128k16`
-//! instructions per k16 step). Stages are 64 deep (one 128-byte line per operand row).
+//! `T≙M, V≙N, D≙K`. A block has `WGM` consumer warpgroups (4 warps each) stacked along M, each
+//! owning 64 rows of the `BM = 64·WGM` token tile and all `BN = 128·NW` vocab columns (NW
+//! `m64n128k16` instructions per k16 step), plus the producer warpgroup ([`tma_split`],
+//! `setmaxnreg` moves registers from it to the consumers).
 //!
-//! **Pipeline.** Loads run `P = ST − 2` stages ahead. Iteration `j`: wait for stage `j`'s
-//! `cp.async` group, `fence.proxy.async` (cp.async writes are generic-proxy writes; `wgmma`
-//! reads through the async proxy), barrier, issue the loads of iteration `j + P` into the stage
-//! of iteration `j − 2`, issue this stage's `wgmma`s, commit, and `wgmma.wait_group 1`: the
-//! group of iteration `j − 1` is then complete, so by the next barrier every warpgroup is done
-//! reading the stage that iteration `j + 1` overwrites. One `wgmma` group stays in flight while
-//! the next stage is being waited for.
-//!
-//! Three kernels use the mainloop: the fused forward and the backward d-logits (K-major `h` and
-//! `W`), and the backward GEMMs — on K-major copies the host made with `merge::transpose_bf16`,
-//! or, with TMA, on the operands as stored (`AMN`/`BMN`: MN-major tiles loaded as 64-wide slabs
-//! and read with `wgmma`'s transpose bits; [`tma_operand`], [`wgmma_k16`]).
+//! The forward and the d-logits read `h` and `W` K-major. The GEMMs read their operands as
+//! stored: `dh`'s B (the `W` chunk `[k][n]`) and `dW`'s A (the staging buffer `[k][m]`) and B
+//! (`h`, `[k][n]`) are MN-major tiles loaded as 64-wide slabs and read with `wgmma`'s transpose
+//! bits (`AMN`/`BMN`; [`tma_operand`], [`wgmma_k16`]).
 //!
 //! The epilogue folds each 64-column half of a 128-column block with `fwd::fold_tile` (the
 //! accumulator layout of `m64n128k16` is the `mma.sync` m16n8 layout per 8 columns, one m16 tile
-//! per warp), and the block reduction is `fwd::store_partials` with one warp along N.
+//! per warp), and the block reduction is `fwd::store_partials` with one warp along N; the
+//! d-logits epilogue can instead store through shared memory by TMA ([`StoreBoxes`]).
 
 use crate::bwd::{dlogits_pair, row_coeffs, store_dlogits, store_gemm};
 use crate::fwd::{fold_tile, load_label, local_column, store_partials};
 use crate::intrinsics::{self, SmemAddr};
-use crate::mainloop::{self, Acc, Operand, WarpPos};
+use crate::mainloop::{Acc, WarpPos};
 use lmhead_core::config::{TMA_STORE_BYTES, TMA_STORE_GAP};
 use lmhead_core::lse::Lse2;
 use lmhead_core::params::{GemmParams, LogitsParams};
@@ -34,107 +30,9 @@ use lmhead_core::wgmma::{desc_k_major_sw128, desc_mn_major_sw128};
 
 const BK: usize = 64;
 
-/// `cp.async.wait_group (P − 1)` for the prefetch distance `P = ST − 2`.
-#[inline(always)]
-fn wait_prefetched<const ST: usize>() {
-    match ST {
-        3 => intrinsics::cp_async_wait::<0>(),
-        4 => intrinsics::cp_async_wait::<1>(),
-        5 => intrinsics::cp_async_wait::<2>(),
-        6 => intrinsics::cp_async_wait::<3>(),
-        7 => intrinsics::cp_async_wait::<4>(),
-        8 => intrinsics::cp_async_wait::<5>(),
-        _ => intrinsics::cp_async_wait::<0>(),
-    }
-}
-
 /// Accumulators of one warp: `NW` blocks of 128 columns, each two halves of one m16 × eight n8
 /// tiles (the `wgmma_m64n128k16_bf16` operand).
 pub type WgAcc<const NW: usize> = [[[[f32; 4]; 8]; 2]; NW];
-
-/// The pipelined `wgmma` K loop over `n_tiles` consecutive `BN`-wide output tiles of one block
-/// (tile `i` starts at column `n0_first + i·BN` of B's rows). `finish(tile, acc)` runs after the
-/// last K step of each tile, with every `wgmma` of the tile retired.
-///
-/// # Safety
-/// Called by all `WGM·128` threads of the block with the same arguments except `tid`; the
-/// dynamic shared memory holds `ST` stages of `(BM + BN)·128` bytes, 1024-byte aligned; `a`
-/// (rows `m0 ..`) and `b` (rows `n0_first ..`) describe readable K-major bf16 operands.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn wg_pipeline<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize>(
-    tid: u32,
-    a: Operand,
-    b: Operand,
-    m0: u32,
-    n0_first: u32,
-    n_tiles: u32,
-    kt: u32,
-    acc: &mut WgAcc<NW>,
-    mut finish: impl FnMut(u32, &mut WgAcc<NW>),
-) {
-    const {
-        assert!(BM == 64 * WGM && BN == 128 * NW && ST >= 3 && ST <= 8);
-        assert!(BM * BK / 8 % (WGM * 128) == 0 && BN * BK / 8 % (WGM * 128) == 0);
-    }
-    let warp = tid >> 5;
-    let wg_row0 = 64 * (warp / 4);
-    let ring: SmemAddr = intrinsics::smem_base();
-    let threads = WGM * 128;
-    let a_bytes = (BM * BK * 2) as u32;
-    let stage_bytes = ((BM + BN) * BK * 2) as u32;
-    let mut load = #[inline(always)]
-    |s: SmemAddr, tile: u32, k: u32| {
-        let n0 = n0_first + tile * BN as u32;
-        let k0 = k * BK as u32;
-        // SAFETY: stage `s` holds BM·64 + BN·64 bf16 in the 128B-swizzled layout (swz_k::<64>);
-        // operands are bounds-checked per 16-byte chunk; every thread runs this with its tid.
-        unsafe {
-            mainloop::load_tile::<BM, BK, true>(s, a, m0, k0, tid, threads);
-            mainloop::load_tile::<BN, BK, true>(s + a_bytes, b, n0, k0, tid, threads);
-        }
-    };
-    let mut producer = mainloop::Producer::<ST>::new(ring, stage_bytes, n_tiles, kt);
-    for _ in 0..ST - 2 {
-        producer.step(&mut load);
-    }
-    let mut stage = 0u32;
-    let mut tile = 0u32;
-    while tile < n_tiles {
-        let mut k = 0u32;
-        while k < kt {
-            wait_prefetched::<ST>();
-            intrinsics::fence_proxy_async_shared();
-            // SAFETY: every thread runs the same trip counts.
-            unsafe { intrinsics::sync_threads() };
-            producer.step(&mut load);
-
-            let a_s = ring + stage * stage_bytes + wg_row0 * 128;
-            let b_s = ring + stage * stage_bytes + a_bytes;
-            // SAFETY: the warpgroup is converged; the stage landed (wait + fence + barrier) and
-            // is not overwritten before `wgmma_wait::<1>` of the next iteration retires this
-            // group; accumulators are read only after `wgmma_wait::<0>` below.
-            unsafe {
-                intrinsics::wgmma_fence();
-                unroll!(4, |kk| {
-                    let koff = (kk * 32) as u32;
-                    wgmma_k16_n128::<NW, false, false>(acc, a_s + koff, b_s + koff, k > 0 || kk > 0);
-                });
-                intrinsics::wgmma_commit();
-                intrinsics::wgmma_wait::<1>();
-            }
-            stage = if stage + 1 == ST as u32 { 0 } else { stage + 1 };
-            k += 1;
-        }
-        // SAFETY: the warpgroup is converged; all of this tile's groups retire here.
-        unsafe { intrinsics::wgmma_wait::<0>() };
-        finish(tile, acc);
-        tile += 1;
-    }
-    intrinsics::cp_async_wait::<0>();
-    // SAFETY: every thread reaches this point once; afterwards the ring is free.
-    unsafe { intrinsics::sync_threads() };
-}
 
 /// Registers per thread of the producer warpgroup of a TMA kernel after `setmaxnreg.dec`.
 const PRODUCER_REGS: u32 = 40;
@@ -343,8 +241,10 @@ unsafe fn tma_operand<const MN: bool, const ROWS: usize>(dst: SmemAddr, map: *co
     }
 }
 
-/// The consumer side of a TMA kernel: the same contract as [`wg_pipeline`], fed by the producer
-/// of [`tma_split`] through the mbarrier ring instead of block-wide `cp.async` rounds. Per stage:
+/// The consumer side of a TMA kernel: the K loop over `n_tiles` consecutive `BN`-wide output
+/// tiles of one block, fed by the producer of [`tma_split`] through the mbarrier ring;
+/// `finish(tile, acc)` runs after the last K step of each tile, with every `wgmma` of the tile
+/// retired. Per stage:
 /// wait for `full[s]`, issue the `wgmma`s, commit, `wgmma.wait_group 1` (the previous stage's
 /// group has retired) and let one thread per warpgroup arrive on that stage's `empty` barrier.
 /// No block-wide barrier in the loop: the two warpgroups drift freely within the ring, so one's
@@ -447,8 +347,7 @@ pub(crate) unsafe fn wgmma_k16<const NW: usize, const AMN: bool, const BMN: bool
     }
 }
 
-/// One k16 step as `NW` `m64n128k16` instructions, one per 128-column block (the `cp.async`
-/// Hopper path keeps this form for every width).
+/// One k16 step as `NW` `m64n128k16` instructions, one per 128-column block.
 ///
 /// # Safety
 /// As [`wgmma_k16`].
@@ -469,44 +368,6 @@ unsafe fn wgmma_k16_n128<const NW: usize, const AMN: bool, const BMN: bool>(
     });
 }
 
-/// [`wg_pipeline`] or, for `TMA`, [`tma_pipeline`] (after [`tma_split`] at the kernel's start;
-/// only these read MN-major operands).
-///
-/// # Safety
-/// As the chosen pipeline.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn run_pipeline<
-    const BM: usize,
-    const BN: usize,
-    const ST: usize,
-    const WGM: usize,
-    const NW: usize,
-    const TMA: bool,
-    const AMN: bool,
-    const BMN: bool,
->(
-    tid: u32,
-    a: Operand,
-    b: Operand,
-    m0: u32,
-    n0_first: u32,
-    n_tiles: u32,
-    kt: u32,
-    acc: &mut WgAcc<NW>,
-    finish: impl FnMut(u32, &mut WgAcc<NW>),
-) {
-    // The `cp.async` ring loads K-major operands only.
-    const { assert!(TMA || (!AMN && !BMN)) };
-    if TMA {
-        // SAFETY: forwarded contract.
-        unsafe { tma_pipeline::<BM, BN, ST, WGM, NW, AMN, BMN>(tid, n_tiles, kt, acc, finish) }
-    } else {
-        // SAFETY: forwarded contract.
-        unsafe { wg_pipeline::<BM, BN, ST, WGM, NW>(tid, a, b, m0, n0_first, n_tiles, kt, acc, finish) }
-    }
-}
-
 /// This thread's warp position: warp `w` holds rows `16w .. 16w + 16` of the block tile and
 /// every column.
 #[inline(always)]
@@ -523,20 +384,12 @@ fn half<const NW: usize>(acc: &mut WgAcc<NW>, nb: usize, h: usize) -> &mut Acc<1
 /// The fused forward on the Hopper mainloop. Same contract and outputs as `fwd::fwd`.
 ///
 /// # Safety
-/// Launched with `WGM·128` threads (`(WGM + 1)·128` for `TMA`: the producer warpgroup), a grid of
+/// Launched with `(WGM + 1)·128` threads (the last warpgroup is the producer), a grid of
 /// `(ceil(t/BM), n_splits)` blocks and `(BM + BN)·64·2·ST` bytes of dynamic shared memory (plus
-/// `16·ST` for `TMA`'s mbarriers, and `p.tmaps` set); `p` describes valid device buffers as for
+/// `16·ST` for the mbarriers, and `p.tmaps` set); `p` describes valid device buffers as for
 /// `fwd::fwd`.
 #[inline(always)]
-pub unsafe fn fwd_wg<
-    const BM: usize,
-    const BN: usize,
-    const ST: usize,
-    const WGM: usize,
-    const NW: usize,
-    const ENT: bool,
-    const TMA: bool,
->(
+pub unsafe fn fwd_wg<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const ENT: bool>(
     p: &LogitsParams,
 ) {
     let tid = intrinsics::thread_idx();
@@ -553,10 +406,8 @@ pub unsafe fn fwd_wg<
     let n_tiles = (v_tiles - tile_begin).min(p.tiles_per_split);
     let kt = p.d.div_ceil(BK as u32);
     let n0_first = tile_begin * BN as u32;
-    if TMA {
-        // SAFETY: first call, by every thread; the kernel contract provides the maps.
-        unsafe { tma_split::<BM, BN, ST, WGM, false, false>(tid, p.tmaps, m0, n0_first, n_tiles, kt) };
-    }
+    // SAFETY: first call, by every thread; the kernel contract provides the maps.
+    unsafe { tma_split::<BM, BN, ST, WGM, false, false>(tid, p.tmaps, m0, n0_first, n_tiles, kt) };
     let w = warp_pos(tid);
 
     // ---- Prologue: per-row state and labels ------------------------------------------------
@@ -570,8 +421,6 @@ pub unsafe fn fwd_wg<
             label[0][h] = local_column(p, unsafe { load_label(p.labels, p.label_kind, row) });
         }
     });
-    let a = Operand { ptr: p.h as *const u16, stride: p.h_row_stride, mn_bound: p.t, k_bound: p.d };
-    let b = Operand { ptr: p.w as *const u16, stride: p.w_row_stride, mn_bound: p.v, k_bound: p.d };
     let mut acc: WgAcc<NW> = [[[[0.0; 4]; 8]; 2]; NW];
 
     // ---- Main loop, each tile folded into the row states ------------------------------------
@@ -585,7 +434,7 @@ pub unsafe fn fwd_wg<
         });
     };
     // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
-    unsafe { run_pipeline::<BM, BN, ST, WGM, NW, TMA, false, false>(tid, a, b, m0, n0_first, n_tiles, kt, &mut acc, finish) };
+    unsafe { tma_pipeline::<BM, BN, ST, WGM, NW, false, false>(tid, n_tiles, kt, &mut acc, finish) };
 
     // ---- Epilogue ---------------------------------------------------------------------------
     // SAFETY: all consumer threads, ring drained behind the pipeline's last barrier; BM·16 bytes
@@ -703,13 +552,13 @@ fn block_tiles<const BM: usize, const BN: usize>(group: u32, per: u32, n_total: 
 }
 
 /// Backward d-logits of one vocab chunk on the Hopper mainloop. Same contract as
-/// `bwd::dlogits`. `TS` (with `TMA`): the tile is stored through [`StoreBoxes`] by the tensor
+/// `bwd::dlogits`. `TS`: the tile is stored through [`StoreBoxes`] by the tensor
 /// memory accelerator, with a third tensor map over the staging buffer.
 ///
 /// # Safety
-/// Launched with `WGM·128` threads (`(WGM + 1)·128` for `TMA`), grid
+/// Launched with `(WGM + 1)·128` threads, grid
 /// `(ceil(t/BM), ceil(ceil(staging_stride/BN) / max(1, p.tiles_per_split)))`, the ring's
-/// dynamic shared memory (with `TMA`'s mbarriers and `p.tmaps`; for `TS` 1024 bytes after the
+/// dynamic shared memory (with the mbarriers and `p.tmaps`; for `TS` 1024 bytes after the
 /// ring, then `TMA_STORE_BYTES`, and a third map in `p.tmaps`: the staging buffer
 /// `[t][staging_stride]`, 64 × 64 boxes, 128-byte swizzle); buffers as for `bwd::dlogits`.
 #[inline(always)]
@@ -720,25 +569,19 @@ pub unsafe fn dlogits_wg<
     const WGM: usize,
     const NW: usize,
     const ENT: bool,
-    const TMA: bool,
     const TS: bool,
 >(
     p: &LogitsParams,
 ) {
-    const { assert!(TMA || !TS) };
     let tid = intrinsics::thread_idx();
     let n_total = (p.staging_stride as u32).div_ceil(BN as u32);
     let (m0, n0_first, n_tiles) = block_tiles::<BM, BN>(p.raster_group, p.tiles_per_split, n_total);
     let kt = p.d.div_ceil(BK as u32);
-    if TMA {
-        // SAFETY: first call, by every thread; the kernel contract provides the maps.
-        unsafe { tma_split::<BM, BN, ST, WGM, false, false>(tid, p.tmaps, m0, p.v_chunk_begin + n0_first, n_tiles, kt) };
-    }
+    // SAFETY: first call, by every thread; the kernel contract provides the maps.
+    unsafe { tma_split::<BM, BN, ST, WGM, false, false>(tid, p.tmaps, m0, p.v_chunk_begin + n0_first, n_tiles, kt) };
     let w = warp_pos(tid);
     // SAFETY: buffers per the kernel contract.
     let coeffs = unsafe { row_coeffs::<1, ENT>(p, &w, m0) };
-    let a = Operand { ptr: p.h as *const u16, stride: p.h_row_stride, mn_bound: p.t, k_bound: p.d };
-    let b = Operand { ptr: p.w as *const u16, stride: p.w_row_stride, mn_bound: p.v_chunk_begin + p.v_chunk, k_bound: p.d };
     let mut acc: WgAcc<NW> = [[[[0.0; 4]; 8]; 2]; NW];
     if TS {
         // The host's `TileConfig::smem_bytes` reserves exactly these boxes for the block.
@@ -770,9 +613,7 @@ pub unsafe fn dlogits_wg<
         };
         // SAFETY: every thread calls with the same arguments; smem and operands per the
         // contract.
-        unsafe {
-            run_pipeline::<BM, BN, ST, WGM, NW, TMA, false, false>(tid, a, b, m0, p.v_chunk_begin + n0_first, n_tiles, kt, &mut acc, finish)
-        };
+        unsafe { tma_pipeline::<BM, BN, ST, WGM, NW, false, false>(tid, n_tiles, kt, &mut acc, finish) };
         out.drain();
         return;
     }
@@ -787,25 +628,20 @@ pub unsafe fn dlogits_wg<
         });
     };
     // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
-    unsafe {
-        run_pipeline::<BM, BN, ST, WGM, NW, TMA, false, false>(tid, a, b, m0, p.v_chunk_begin + n0_first, n_tiles, kt, &mut acc, finish)
-    };
+    unsafe { tma_pipeline::<BM, BN, ST, WGM, NW, false, false>(tid, n_tiles, kt, &mut acc, finish) };
 }
 
-/// Backward GEMM `C[m, n] (+)= Σ_k A[m, k] · B[k, n]` on the Hopper mainloop. K-major operands
-/// (`AMN`, `BMN` false: `p.a` is `[m][a_stride]`, `p.b` is `[n][b_stride]`) are what the
-/// `cp.async` ring and the first TMA configs read: the host transposes the staging buffer, `W`
-/// chunk and `h` for them. With TMA an operand may be MN-major instead, as it is stored: `dh`'s
-/// B is the `W` chunk `[k][n]` (`BMN`), `dW`'s A the staging buffer `[k][m]` and B `h` `[k][n]`
-/// (`AMN`, `BMN`); `wgmma` reads them with its transpose bits, and no copy is made. The
-/// operands' layouts and bounds are in `p.tmaps` then (`p.a`, `p.b` unused).
+/// Backward GEMM `C[m, n] (+)= Σ_k A[m, k] · B[k, n]` on the sm90 mainloop, operands read as
+/// stored: `dh`'s A is the staging buffer `[m][k]` (K-major) and B the `W` chunk `[k][n]`
+/// (`BMN`); `dW`'s A is the staging buffer read as `[k][m]` (`AMN`) and B is `h` `[k][n]`
+/// (`BMN`). `wgmma` reads MN-major tiles with its transpose bits; the layouts and bounds are in
+/// `p.tmaps` (`p.a`, `p.b` unused).
 ///
 /// # Safety
-/// Launched with `WGM·128` threads (`(WGM + 1)·128` for `TMA`), grid
+/// Launched with `(WGM + 1)·128` threads, grid
 /// `(ceil(m/BM), ceil(ceil(n/BN) / max(1, p.tiles_per_block)))`, the ring's dynamic shared
-/// memory (with `TMA`'s mbarriers and `p.tmaps`, whose maps have the layouts `AMN` and `BMN`
-/// name); without TMA both operands K-major, readable in whole 16-byte chunks up to `k` rounded
-/// up to 8 (zeros there); C buffers as for `bwd::gemm`.
+/// memory with the mbarriers, and `p.tmaps`, whose maps have the layouts `AMN` and `BMN` name;
+/// C buffers as for `bwd::gemm`.
 #[inline(always)]
 pub unsafe fn gemm_wg<
     const BM: usize,
@@ -813,7 +649,6 @@ pub unsafe fn gemm_wg<
     const ST: usize,
     const WGM: usize,
     const NW: usize,
-    const TMA: bool,
     const AMN: bool,
     const BMN: bool,
 >(
@@ -822,13 +657,9 @@ pub unsafe fn gemm_wg<
     let tid = intrinsics::thread_idx();
     let (m0, n0_first, n_tiles) = block_tiles::<BM, BN>(p.raster_group, p.tiles_per_block, p.n.div_ceil(BN as u32));
     let kt = p.k.div_ceil(BK as u32);
-    if TMA {
-        // SAFETY: first call, by every thread; the kernel contract provides the maps.
-        unsafe { tma_split::<BM, BN, ST, WGM, AMN, BMN>(tid, p.tmaps, m0, n0_first, n_tiles, kt) };
-    }
+    // SAFETY: first call, by every thread; the kernel contract provides the maps.
+    unsafe { tma_split::<BM, BN, ST, WGM, AMN, BMN>(tid, p.tmaps, m0, n0_first, n_tiles, kt) };
     let w = warp_pos(tid);
-    let a = Operand { ptr: p.a as *const u16, stride: p.a_stride, mn_bound: p.m, k_bound: p.k };
-    let b = Operand { ptr: p.b as *const u16, stride: p.b_stride, mn_bound: p.n, k_bound: p.k };
     let mut acc: WgAcc<NW> = [[[[0.0; 4]; 8]; 2]; NW];
     let finish = #[inline(always)]
     |tile: u32, acc: &mut WgAcc<NW>| {
@@ -841,5 +672,5 @@ pub unsafe fn gemm_wg<
         });
     };
     // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
-    unsafe { run_pipeline::<BM, BN, ST, WGM, NW, TMA, AMN, BMN>(tid, a, b, m0, n0_first, n_tiles, kt, &mut acc, finish) };
+    unsafe { tma_pipeline::<BM, BN, ST, WGM, NW, AMN, BMN>(tid, n_tiles, kt, &mut acc, finish) };
 }

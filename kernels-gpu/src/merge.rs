@@ -5,12 +5,12 @@
 //! Row states for tensor parallelism are SoA `[5][t]` f32: `m_local, m_global, s, z_label, t`.
 //! `m_global` starts as a copy of `m_local` and is all-reduced with MAX; after `rescale`, the
 //! contiguous slots `s, z_label` (and `t` when entropy is wanted) are all-reduced with SUM.
+//! Also the label check that runs before a forward.
 
 use crate::fwd::load_label;
 use crate::intrinsics::{self, exp2, log2};
-use lmhead_core::config::fixed::TRANSPOSE_TILE as TR_TILE;
 use lmhead_core::lse::{Lse2, LN_2};
-use lmhead_core::params::{CastParams, MergeParams, Partial, TransposeParams, STATUS_BAD_LABEL};
+use lmhead_core::params::{CastParams, MergeParams, Partial, STATUS_BAD_LABEL};
 
 #[inline(always)]
 fn row_index() -> u32 {
@@ -189,101 +189,5 @@ pub unsafe fn cast_f32_bf16(p: &CastParams) {
             *(p.dst as *mut u16).add(i as usize) = intrinsics::pack_bf16x2(x, 0.0) as u16;
         }
         i += stride;
-    }
-}
-
-/// `dst[c][r] = src[r][c]` (bf16), zero for `rows ≤ r < dst_cols`, in 64 × 64 tiles through
-/// shared memory, 256 threads, a grid-stride loop over the tiles.
-///
-/// Global memory moves in 16-byte pieces: 8 threads read one 128-byte piece of a source row, 8
-/// threads write one of a destination row. A tile row `rr` of shared memory holds source row
-/// `r0 + rr` as eight 16-byte chunks, chunk `x` stored at `x ^ (rr / 8)`, so that the gather of
-/// 8 elements down a column (one destination chunk) by a warp touches 16 distinct banks. Pieces
-/// at a row's end, or of a matrix whose base or stride is not 16-byte aligned, go element by
-/// element.
-///
-/// # Safety
-/// Launched with `fixed::THREADS` (256) threads and `TR_TILE² · 2` bytes of dynamic shared
-/// memory; `src` holds `rows` rows of `src_stride ≥ cols` elements, `dst` holds `cols` rows of
-/// `dst_stride ≥ dst_cols ≥ rows` elements.
-#[inline(always)]
-pub unsafe fn transpose_bf16(p: &TransposeParams) {
-    let tid = intrinsics::thread_idx();
-    let smem = intrinsics::smem_base();
-    let (src, dst) = (p.src as *const u16, p.dst as *mut u16);
-    let vec_src = p.src % 16 == 0 && p.src_stride % 8 == 0;
-    let vec_dst = p.dst % 16 == 0 && p.dst_stride % 8 == 0;
-    // `max(1)`: no division by zero (and no panic path) for an empty matrix; `total` is 0 then.
-    let tiles_r = p.dst_cols.div_ceil(TR_TILE).max(1);
-    let total = if p.dst_cols == 0 { 0 } else { tiles_r as u64 * p.cols.div_ceil(TR_TILE) as u64 };
-    let mut id = intrinsics::block_idx_x() as u64;
-    while id < total {
-        let r0 = (id % tiles_r as u64) as u32 * TR_TILE;
-        let c0 = (id / tiles_r as u64) as u32 * TR_TILE;
-        // Load: 64 rows × 8 chunks, two per thread, both loads issued before the stores.
-        let mut chunks = [[0u32; 4]; 2];
-        for (k, ch) in chunks.iter_mut().enumerate() {
-            let q = tid + 256 * k as u32;
-            let (r, c) = (r0 + q / 8, c0 + 8 * (q % 8));
-            if r >= p.rows {
-                continue;
-            }
-            let row = r as u64 * p.src_stride;
-            if vec_src && c as u64 + 8 <= p.src_stride {
-                // SAFETY: 16-byte aligned (base and stride), and c + 8 ≤ src_stride keeps the
-                // 8 elements inside row r < rows. Elements past `cols` are read but never stored.
-                *ch = unsafe { intrinsics::ld_global_v4_b32(src.add((row + c as u64) as usize) as *const u32) };
-            } else {
-                for e in 0..8u32 {
-                    if c + e < p.cols {
-                        // SAFETY: r < rows and c + e < cols: inside `src`.
-                        let v = unsafe { *src.add((row + (c + e) as u64) as usize) } as u32;
-                        ch[e as usize / 2] |= v << (16 * (e % 2));
-                    }
-                }
-            }
-        }
-        for (k, ch) in chunks.iter().enumerate() {
-            let q = tid + 256 * k as u32;
-            let (rr, x) = (q / 8, q % 8);
-            // SAFETY: rr < 64 and (x ^ (rr / 8 % 8)) < 8: inside the 64 × 128-byte tile, 16-byte
-            // aligned. Rows past `rows` store zeros (the destination's zero padding).
-            unsafe { intrinsics::st_shared_v4_b32(smem + rr * 128 + ((x ^ (rr / 8 % 8)) * 16), *ch) };
-        }
-        // SAFETY: uniform: every thread runs the same tile loop.
-        unsafe { intrinsics::sync_threads() };
-        // Store: 64 destination rows × 8 chunks, two per thread.
-        for k in 0..2u32 {
-            let q = tid + 256 * k;
-            let (cc, rb) = (q / 8, q % 8);
-            let (c, r) = (c0 + cc, r0 + 8 * rb);
-            if c >= p.cols || r >= p.dst_cols {
-                continue;
-            }
-            let mut w = [0u32; 4];
-            for j in 0..8u32 {
-                // Tile row 8·rb + j, whose chunks are rotated by rb; element cc of it.
-                let addr = smem + (8 * rb + j) * 128 + (((cc / 8) ^ rb) * 16) + (cc % 8) * 2;
-                // SAFETY: inside the tile written above.
-                let v = unsafe { intrinsics::ld_shared_u16(addr) } as u32;
-                w[j as usize / 2] |= v << (16 * (j % 2));
-            }
-            let row = c as u64 * p.dst_stride;
-            if vec_dst && r + 8 <= p.dst_cols {
-                // SAFETY: 16-byte aligned (base and stride); c < cols and r + 8 ≤ dst_cols ≤
-                // dst_stride: inside destination row c.
-                unsafe { intrinsics::st_global_v4_b32(dst.add((row + r as u64) as usize) as *mut u32, w) };
-            } else {
-                for j in 0..8u32 {
-                    if r + j < p.dst_cols {
-                        // SAFETY: c < cols and r + j < dst_cols ≤ dst_stride.
-                        unsafe { *dst.add((row + (r + j) as u64) as usize) = (w[j as usize / 2] >> (16 * (j % 2))) as u16 };
-                    }
-                }
-            }
-        }
-        // SAFETY: uniform, as above; the tile is reused by the next iteration.
-        unsafe { intrinsics::sync_threads() };
-        id += intrinsics::grid_dim_x() as u64;
     }
 }

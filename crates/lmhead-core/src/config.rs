@@ -58,6 +58,50 @@ impl Family {
     }
 }
 
+/// How a kernel computes its tiles: the axis of the tuning space besides the tile shape. Each
+/// variant is a device module of its own (`kernels-gpu/src/mainloop.rs`, `kernels-gpu/src/hopper.rs`),
+/// and `kernels-gpu/build.rs` matches exhaustively on (family, mainloop), so only valid pairs
+/// can be compiled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "std", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "std", serde(rename_all = "snake_case"))]
+pub enum Mainloop {
+    /// The portable mainloop: a block-wide `cp.async` ring, `ldmatrix` and `mma.sync.m16n8k16`
+    /// (XOR-swizzled shared memory; K-major and MN-major operands). Runs on sm_80 and later.
+    MmaSync,
+    /// The Hopper (sm_90a) mainloop: a producer warpgroup loads 64-deep stages with the tensor
+    /// memory accelerator into an mbarrier ring; two consumer warpgroups (128 rows) issue
+    /// `wgmma`s and run the epilogue. The backward GEMMs read their operands as stored
+    /// (MN-major where they are, with `wgmma`'s transpose bits).
+    Sm90 {
+        /// How the output tile leaves the consumers.
+        store: Store,
+    },
+}
+
+/// How an sm90 kernel's output tile is written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "std", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "std", serde(rename_all = "snake_case"))]
+pub enum Store {
+    /// Straight from the accumulator fragments (4-byte stores, or the fold into row states).
+    Registers,
+    /// d-logits only: each consumer warpgroup writes its tile with `stmatrix` into two 64 × 64
+    /// shared-memory boxes with the 128-byte swizzle (after the ring, [`TMA_STORE_BYTES`] for
+    /// the block) and the tensor memory accelerator stores each box.
+    Tma,
+}
+
+impl Mainloop {
+    pub const fn is_sm90(self) -> bool {
+        matches!(self, Mainloop::Sm90 { .. })
+    }
+
+    pub const fn tma_store(self) -> bool {
+        matches!(self, Mainloop::Sm90 { store: Store::Tma })
+    }
+}
+
 /// One point of the tuning space. `T≙M, V≙N, D≙K` for the logits kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 #[cfg_attr(feature = "std", derive(serde::Serialize, serde::Deserialize))]
@@ -70,30 +114,11 @@ pub struct TileConfig {
     pub bk: u16,
     /// Shared-memory pipeline stages.
     pub stages: u8,
-    /// Warps along M.
+    /// Warps along M (the consumer warps of an sm90 config: 4 per warpgroup).
     pub warps_m: u8,
     /// Warps along N.
     pub warps_n: u8,
-    /// The Hopper mainloop (`wgmma` from shared-memory descriptors, warpgroups of 4 warps along
-    /// M, 64 rows each) instead of `ldmatrix` + `mma.sync`.
-    #[cfg_attr(feature = "std", serde(default))]
-    pub wgmma: bool,
-    /// With `wgmma`: warp-specialised, a producer warpgroup loads the stages with the tensor
-    /// memory accelerator (tensor maps made by the host) into an mbarrier ring, and the
-    /// consumer warpgroups only issue `wgmma`s and run the epilogue.
-    #[cfg_attr(feature = "std", serde(default))]
-    pub tma: bool,
-    /// With `tma`, backward GEMMs only: the operands are read as they are stored, MN-major where
-    /// they are (`dh`'s `W` chunk, `dW`'s staging and `h`), by `wgmma` with its transpose bits,
-    /// instead of from K-major copies the host makes first.
-    #[cfg_attr(feature = "std", serde(default))]
-    pub mn: bool,
-    /// With `tma`, d-logits only: each consumer warpgroup writes its output tile through
-    /// shared memory (`stmatrix` into two 64 × 64 boxes with the 128-byte swizzle, after the
-    /// ring, [`TMA_STORE_BYTES`] for the block) and the tensor memory accelerator stores each
-    /// box, instead of 4-byte stores from the accumulator fragments.
-    #[cfg_attr(feature = "std", serde(default))]
-    pub tma_store: bool,
+    pub mainloop: Mainloop,
 }
 
 /// Shared memory of a `tma_store` config's output boxes: two 64 × 64 bf16 boxes per consumer
@@ -106,44 +131,21 @@ pub const TMA_STORE_BYTES: usize = 2 * 2 * 64 * 64 * 2;
 pub const TMA_STORE_GAP: usize = 1024;
 
 const fn tc(bm: u16, bn: u16, bk: u16, stages: u8, warps_m: u8, warps_n: u8) -> TileConfig {
-    TileConfig { bm, bn, bk, stages, warps_m, warps_n, wgmma: false, tma: false, mn: false, tma_store: false }
+    TileConfig { bm, bn, bk, stages, warps_m, warps_n, mainloop: Mainloop::MmaSync }
 }
 
-/// A `wgmma` config: `wgs` warpgroups along M (64 rows each), `bn` columns (128 or 256),
-/// 64-deep stages with the 128-byte swizzle.
-const fn wg(wgs: u8, bn: u16, stages: u8) -> TileConfig {
-    TileConfig {
-        bm: 64 * wgs as u16,
-        bn,
-        bk: 64,
-        stages,
-        warps_m: 4 * wgs,
-        warps_n: 1,
-        wgmma: true,
-        tma: false,
-        mn: false,
-        tma_store: false,
-    }
-}
-
-/// A warp-specialised TMA `wgmma` config: two consumer warpgroups (128 rows) and one producer
-/// warpgroup, `bn` columns (128 or 256), `stages` 64-deep stages.
+/// An sm90 config: two consumer warpgroups (128 rows) and the producer warpgroup, `bn` columns
+/// (128 or 256), `stages` 64-deep stages.
 const fn tw(bn: u16, stages: u8) -> TileConfig {
-    TileConfig { tma: true, ..wg(2, bn, stages) }
+    TileConfig { bm: 128, bn, bk: 64, stages, warps_m: 8, warps_n: 1, mainloop: Mainloop::Sm90 { store: Store::Registers } }
 }
 
-/// A TMA backward-GEMM config that reads its operands in their stored layouts (`mn`): no
-/// transposed copies.
-const fn tm(bn: u16, stages: u8) -> TileConfig {
-    TileConfig { mn: true, ..tw(bn, stages) }
-}
-
-/// A TMA d-logits config whose epilogue stores through shared memory (`tma_store`).
+/// An sm90 d-logits config whose epilogue stores through shared memory by TMA.
 const fn ts(bn: u16, stages: u8) -> TileConfig {
-    TileConfig { tma_store: true, ..tw(bn, stages) }
+    TileConfig { mainloop: Mainloop::Sm90 { store: Store::Tma }, ..tw(bn, stages) }
 }
 
-/// Candidates of the forward: the `mma.sync` mainloop's and the Hopper `wgmma` mainloop's.
+/// Candidates of the forward: the `mma.sync` mainloop's and the sm90 mainloop's.
 pub const FWD_CANDIDATES: &[TileConfig] = &[
     tc(128, 128, 32, 4, 2, 4),
     tc(128, 128, 64, 3, 2, 4),
@@ -152,11 +154,6 @@ pub const FWD_CANDIDATES: &[TileConfig] = &[
     tc(64, 128, 64, 3, 2, 2),
     tc(128, 64, 64, 3, 2, 2),
     tc(64, 64, 64, 4, 2, 2),
-    wg(2, 128, 4),
-    wg(2, 128, 3),
-    wg(2, 256, 4),
-    wg(2, 256, 3),
-    wg(4, 128, 4),
     tw(256, 4),
     tw(128, 6),
     tw(256, 3),
@@ -171,10 +168,6 @@ pub const LOGITS_CANDIDATES: &[TileConfig] = &[
     tc(64, 128, 64, 3, 2, 2),
     tc(128, 64, 64, 3, 2, 2),
     tc(64, 64, 64, 4, 2, 2),
-    wg(2, 128, 4),
-    wg(2, 256, 4),
-    wg(2, 128, 3),
-    wg(4, 128, 4),
     tw(256, 4),
     tw(128, 6),
     tw(256, 3),
@@ -182,9 +175,7 @@ pub const LOGITS_CANDIDATES: &[TileConfig] = &[
     ts(128, 6),
 ];
 
-/// Candidates of the backward GEMMs. The `wgmma` ones without `mn` read both operands K-major:
-/// the host transposes the staging buffer, the `W` chunk and `h` for them; the `mn` ones read
-/// them in place.
+/// Candidates of the backward GEMMs (the sm90 ones read their operands in place).
 pub const GEMM_CANDIDATES: &[TileConfig] = &[
     tc(128, 128, 32, 4, 2, 4),
     tc(128, 256, 32, 3, 2, 4),
@@ -192,16 +183,9 @@ pub const GEMM_CANDIDATES: &[TileConfig] = &[
     tc(128, 128, 64, 3, 2, 4),
     tc(64, 128, 32, 4, 2, 2),
     tc(64, 64, 64, 4, 2, 2),
-    wg(2, 128, 4),
-    wg(2, 256, 4),
-    wg(2, 256, 3),
-    wg(4, 128, 4),
     tw(256, 4),
     tw(128, 6),
     tw(256, 3),
-    tm(256, 4),
-    tm(128, 6),
-    tm(256, 3),
 ];
 
 /// The shared memory an H200 block may use at most (227 KiB).
@@ -212,16 +196,13 @@ impl TileConfig {
         self.warps_m as u32 * self.warps_n as u32
     }
 
-    /// Threads per block: the MMA warps, plus the producer warpgroup of a TMA config.
+    /// Threads per block: the MMA warps, plus the producer warpgroup of an sm90 config.
     pub const fn threads(self) -> u32 {
-        32 * self.warps() + if self.tma { 128 } else { 0 }
+        32 * self.warps() + if self.mainloop.is_sm90() { 128 } else { 0 }
     }
 
-    /// Whether this backward-GEMM config reads K-major copies of its operands (a `wgmma` config
-    /// that does not read them in place): the host transposes the staging buffer, `W` chunk and
-    /// `h` for it.
-    pub const fn reads_k_major_copies(self) -> bool {
-        self.wgmma && !self.mn
+    pub const fn is_sm90(self) -> bool {
+        self.mainloop.is_sm90()
     }
 
     /// Rows of one warp's tile.
@@ -246,12 +227,13 @@ impl TileConfig {
     }
 
     /// Dynamic shared memory a launch of this config asks for (the ring is reused for the
-    /// reduction after the mainloop; a TMA config keeps its `2 · stages` mbarriers after the ring).
+    /// reduction after the mainloop; an sm90 config keeps its `2 · stages` mbarriers after the
+    /// ring, and a TMA-store one its output boxes after those).
     pub const fn smem_bytes(self) -> usize {
-        let a = if self.tma_store {
-            self.ring_bytes() + TMA_STORE_GAP + TMA_STORE_BYTES
-        } else {
-            self.ring_bytes() + if self.tma { 16 * self.stages as usize } else { 0 }
+        let a = match self.mainloop {
+            Mainloop::Sm90 { store: Store::Tma } => self.ring_bytes() + TMA_STORE_GAP + TMA_STORE_BYTES,
+            Mainloop::Sm90 { store: Store::Registers } => self.ring_bytes() + 16 * self.stages as usize,
+            Mainloop::MmaSync => self.ring_bytes(),
         };
         let b = self.reduce_bytes();
         if a > b {
@@ -265,30 +247,14 @@ impl TileConfig {
     /// device asserts the same rules at compile time; this lets the host and the tests check the
     /// tables without building PTX.
     pub const fn is_well_formed(self) -> bool {
-        if (self.mn || self.tma_store) && !self.tma {
-            return false;
-        }
-        if self.tma {
-            return self.wgmma
-                && self.bk == 64
+        if self.mainloop.is_sm90() {
+            return self.bk == 64
                 && self.warps_n == 1
                 && self.warps_m == 8
                 && self.bm == 128
                 && (self.bn == 128 || self.bn == 256)
                 && self.stages >= 2
                 && self.stages <= 8
-                && self.smem_bytes() <= MAX_SMEM_PER_BLOCK;
-        }
-        if self.wgmma {
-            return self.bk == 64
-                && self.warps_n == 1
-                && self.warps_m.is_multiple_of(4)
-                && self.warps_m > 0
-                && self.bm as usize == 16 * self.warps_m as usize
-                && (self.bn == 128 || self.bn == 256)
-                && self.stages >= 3
-                && (self.bm as usize * 8).is_multiple_of(self.threads() as usize)
-                && (self.bn as usize * 8).is_multiple_of(self.threads() as usize)
                 && self.smem_bytes() <= MAX_SMEM_PER_BLOCK;
         }
         let (wm, wn) = (self.warp_m(), self.warp_n());
@@ -315,12 +281,13 @@ impl TileConfig {
     #[cfg(feature = "std")]
     pub fn suffix(self, family: Family) -> std::string::String {
         let (m, n, k) = if family.lm_dims() { ("t", "v", "d") } else { ("m", "n", "k") };
-        let wg = match (self.wgmma, self.tma, self.mn) {
-            (true, true, true) => "_tma_mn",
-            (true, true, false) if self.tma_store => "_tma_st",
-            (true, true, false) => "_tma",
-            (true, false, _) => "_wg",
-            _ => "",
+        // The sm90 GEMMs read their operands in place (`_mn`); the names are part of the
+        // tuning cache and the PTX boundary.
+        let wg = match (self.mainloop, family) {
+            (Mainloop::MmaSync, _) => "",
+            (Mainloop::Sm90 { store: Store::Tma }, _) => "_tma_st",
+            (Mainloop::Sm90 { store: Store::Registers }, Family::BwdDh | Family::BwdDw) => "_tma_mn",
+            (Mainloop::Sm90 { store: Store::Registers }, _) => "_tma",
         };
         std::format!("{m}{}_{n}{}_{k}{}_s{}_w{}x{}{wg}", self.bm, self.bn, self.bk, self.stages, self.warps_m, self.warps_n)
     }
@@ -349,12 +316,6 @@ pub mod fixed {
     pub const CAST_F32_BF16: &str = "lm_head_cast_f32_bf16";
     /// Level 00 of the ladder: one block per token, plain f32 dot products, no tensor cores.
     pub const NAIVE_FWD: &str = "lm_head_naive_fwd";
-    /// Transposes a bf16 matrix (K-major operands for the Hopper backward GEMMs).
-    pub const TRANSPOSE_BF16: &str = "lm_head_transpose_bf16";
-    /// Side of the transpose's square tiles, for the kernel and its launch (dynamic shared
-    /// memory: one tile, `TRANSPOSE_TILE² · 2` bytes). The kernel's indexing assumes 64: one
-    /// 128-byte line per tile row.
-    pub const TRANSPOSE_TILE: u32 = 64;
     /// Unit kernel: one TMA box (the first tensor map of its params) copied to shared memory and
     /// written back byte for byte, so a test can check the 128-byte swizzle the mainloop assumes.
     pub const UNIT_TMA_COPY: &str = "lm_head_unit_tma_copy";
@@ -373,7 +334,7 @@ pub mod fixed {
     /// Threads per block of the fixed kernels (the unit kernels run one warpgroup of them).
     pub const THREADS: u32 = 256;
     /// All fixed entry points.
-    pub const ALL: [&str; 13] = [
+    pub const ALL: [&str; 12] = [
         CHECK_LABELS,
         FWD_MERGE,
         FWD_ROW_STATE,
@@ -381,7 +342,6 @@ pub mod fixed {
         FWD_FINISH,
         CAST_F32_BF16,
         NAIVE_FWD,
-        TRANSPOSE_BF16,
         UNIT_TMA_COPY,
         UNIT_WGMMA_N128,
         UNIT_WGMMA_N256,
@@ -414,20 +374,10 @@ mod tests {
     fn names_encode_the_config() {
         assert_eq!(kernel_name(Family::FwdEnt, tc(128, 128, 32, 4, 2, 4)), "lm_head_fwd_ent_t128_v128_d32_s4_w2x4");
         assert_eq!(kernel_name(Family::BwdDw, tc(64, 64, 64, 4, 2, 2)), "lm_head_bwd_dw_m64_n64_k64_s4_w2x2");
-        assert_eq!(kernel_name(Family::Fwd, wg(2, 256, 4)), "lm_head_fwd_t128_v256_d64_s4_w8x1_wg");
-        assert_eq!(kernel_name(Family::BwdDh, tw(256, 4)), "lm_head_bwd_dh_m128_n256_k64_s4_w8x1_tma");
-        assert_eq!(kernel_name(Family::BwdDw, tm(256, 4)), "lm_head_bwd_dw_m128_n256_k64_s4_w8x1_tma_mn");
-    }
-
-    #[test]
-    fn in_place_operands_are_a_tma_gemm_option() {
-        assert!(tm(256, 4).is_well_formed());
-        assert!(!TileConfig { mn: true, ..wg(2, 256, 4) }.is_well_formed(), "the cp.async ring loads K-major tiles only");
-        assert!(!TileConfig { mn: true, ..tc(128, 128, 32, 4, 2, 4) }.is_well_formed());
-        for f in Family::ALL {
-            let has = f.candidates().iter().any(|c| c.mn);
-            assert_eq!(has, matches!(f, Family::BwdDh | Family::BwdDw), "{f:?}: only the backward GEMMs read operands in place");
-        }
+        assert_eq!(kernel_name(Family::Fwd, tw(256, 4)), "lm_head_fwd_t128_v256_d64_s4_w8x1_tma");
+        assert_eq!(kernel_name(Family::BwdDh, tw(256, 4)), "lm_head_bwd_dh_m128_n256_k64_s4_w8x1_tma_mn");
+        assert_eq!(kernel_name(Family::BwdDw, tw(256, 4)), "lm_head_bwd_dw_m128_n256_k64_s4_w8x1_tma_mn");
+        assert_eq!(kernel_name(Family::BwdDlogitsEnt, ts(256, 4)), "lm_head_bwd_dlogits_ent_t128_v256_d64_s4_w8x1_tma_st");
     }
 
     #[test]
@@ -438,26 +388,25 @@ mod tests {
             assert!(16 * c.stages as usize <= TMA_STORE_GAP && TMA_STORE_GAP.is_multiple_of(1024));
             assert!(c.ring_bytes() % 1024 == 0, "the boxes must start 1024-byte aligned");
         }
-        assert_eq!(kernel_name(Family::BwdDlogitsEnt, ts(256, 4)), "lm_head_bwd_dlogits_ent_t128_v256_d64_s4_w8x1_tma_st");
-        assert!(!TileConfig { tma_store: true, ..wg(2, 256, 4) }.is_well_formed(), "needs the warp-specialised kernel");
         for f in Family::ALL {
-            let has = f.candidates().iter().any(|c| c.tma_store);
+            let has = f.candidates().iter().any(|c| c.mainloop.tma_store());
             assert_eq!(has, matches!(f, Family::BwdDlogits | Family::BwdDlogitsEnt), "{f:?}: only the d-logits store a tile");
         }
     }
 
     #[test]
-    fn tma_configs_add_a_producer_warpgroup_and_their_barriers() {
+    fn sm90_configs_add_a_producer_warpgroup_and_their_barriers() {
         let c = tw(256, 4);
         assert!(c.is_well_formed());
         assert_eq!(c.threads(), 384, "two consumer warpgroups and one producer");
         assert_eq!(c.smem_bytes(), 4 * (128 + 256) * 128 + 2 * 4 * 8, "ring, then full and empty mbarriers");
         assert!(!tw(256, 5).is_well_formed(), "5 stages of 48 KiB exceed shared memory");
-        assert!(!TileConfig { warps_m: 16, bm: 256, ..tw(128, 4) }.is_well_formed(), "TMA configs have two consumer warpgroups");
-        assert!(!TileConfig { wgmma: false, ..tw(128, 4) }.is_well_formed());
-        // Every family offers at least one, so the tuner can choose the TMA mainloop everywhere.
+        assert!(!TileConfig { warps_m: 16, bm: 256, ..tw(128, 4) }.is_well_formed(), "sm90 configs have two consumer warpgroups");
+        assert!(!TileConfig { bk: 32, ..tw(128, 4) }.is_well_formed(), "64-deep stages (one 128-byte line per row)");
+        // Every family offers at least one sm90 and one mma.sync config (the fallback, index 0).
         for f in Family::ALL {
-            assert!(f.candidates().iter().any(|c| c.tma), "{f:?}");
+            assert!(f.candidates().iter().any(|c| c.is_sm90()), "{f:?}");
+            assert_eq!(f.fallback().mainloop, Mainloop::MmaSync, "{f:?}");
         }
     }
 
@@ -467,8 +416,7 @@ mod tests {
         assert!(!tc(128, 128, 32, 1, 2, 4).is_well_formed());
         assert!(!tc(48, 128, 32, 3, 1, 4).is_well_formed());
         assert!(!tc(256, 256, 64, 4, 2, 4).is_well_formed(), "ring too large for shared memory");
-        assert!(!wg(2, 192, 4).is_well_formed());
-        assert!(!wg(4, 256, 4).is_well_formed(), "ring too large for shared memory");
-        assert!(!TileConfig { stages: 2, ..wg(2, 128, 4) }.is_well_formed(), "wgmma needs ≥ 3 stages");
+        assert!(!tw(192, 4).is_well_formed());
+        assert!(!tw(256, 9).is_well_formed());
     }
 }

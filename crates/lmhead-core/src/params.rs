@@ -141,21 +141,6 @@ pub struct CastParams {
     pub n: u64,
 }
 
-/// Parameters of `TRANSPOSE_BF16`: `dst[c][r] = src[r][c]` for `r < rows`, `c < cols`, and
-/// `dst[c][r] = 0` for `rows ≤ r < dst_cols` (K padding the Hopper GEMMs read as zeros).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct TransposeParams {
-    pub src: u64,
-    pub dst: u64,
-    pub src_stride: u64,
-    pub dst_stride: u64,
-    pub rows: u32,
-    pub cols: u32,
-    pub dst_cols: u32,
-    pub _pad: u32,
-}
-
 /// Parameters of the naive forward (`NAIVE_FWD`): one block per token.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -211,7 +196,6 @@ mod tests {
         assert_eq!(size_of::<MergeParams>(), 96);
         assert_eq!(size_of::<CastParams>(), 24);
         assert_eq!(size_of::<NaiveParams>(), 80);
-        assert_eq!(size_of::<TransposeParams>(), 48);
         assert_eq!(size_of::<UnitParams>(), 32);
     }
 }

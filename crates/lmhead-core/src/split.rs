@@ -112,7 +112,7 @@ pub const L2_SHARE: f64 = 0.6;
 /// `(resident blocks / S) × BM·d·2` bytes per vocab-tile period: on the H200 ≈ 2.6 TB/s / S,
 /// whatever `d` (it cancels). That costs time directly and, as much, clock: the H200 runs these
 /// shapes at its power limit, and DRAM traffic lowers the SM clock. Measured
-/// (docs/perf-notes.md): t = 16384, d = 2048, one split, 64 MB of `h` resident: DRAM 56% of
+/// (measured on the H200; git history of docs/perf-notes.md): t = 16384, d = 2048, one split, 64 MB of `h` resident: DRAM 56% of
 /// peak, 1.13–1.21× the GEMM → 1.02–1.04× re-planned; t = 8192, d = 4096, two splits, 64 MB
 /// resident: DRAM 44%, SM clock 1.40 GHz, 14.7 ms under ncu → with 8 splits in raster groups of
 /// 16: DRAM 18%, 1.50 GHz, 13.8 ms; t = 8192, d = 8192 (128 MB resident): 1.07× → 1.03–1.04×.
