@@ -277,8 +277,9 @@ fn naive_level00() {
     run_all("gpu_fwd::naive_level00", &cases);
 }
 
-/// A label outside `[0, v)` that is not ignore_index: a typed error, and NaN in its row (never
-/// a plausible number).
+/// A label outside `[0, v)` that is not ignore_index: with the label check (the default) a typed
+/// error naming the row and label before anything runs, so the outputs keep their poison; with
+/// the check off, NaN in that row (never a plausible number) and the other rows computed.
 #[test]
 fn bad_label_is_an_error() {
     let Some((head, stream)) = gpu_or_skip("gpu_fwd::bad_label_is_an_error") else { return };
@@ -286,19 +287,30 @@ fn bad_label_is_an_error() {
     let case = Case::generate(1, t, v, d, &Structure::default());
     let mut labels: Vec<i32> = case.labels.iter().map(|&l| l as i32).collect();
     labels[2] = v as i32;
+    labels[0] = 0;
+    labels[4] = 1;
     let h = upload_bf16(&stream, &case.h).unwrap();
     let w = upload_bf16(&stream, &case.w).unwrap();
     let lab = upload(&stream, &labels).unwrap();
     let mut lp: CudaSlice<f32> = stream.alloc_zeros(t).unwrap();
     let mut lse: CudaSlice<f32> = stream.alloc_zeros(t).unwrap();
-    let r = head.forward(
-        &stream,
-        &FwdInputs { h: &h, w: &w, labels: &lab, problem: Problem::new(t, v, d) },
-        &FwdOptions::default(),
-        FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: None },
-    );
-    assert!(matches!(r, Err(lmhead::Error::BadLabel { .. })), "{r:?}");
-    let got = download_f32(&stream, &lp).unwrap();
-    assert!(got[2].is_nan(), "bad-label row must be NaN, got {}", got[2]);
-    assert!(got[0].is_finite() && got[4].is_finite());
+    for check_labels in [true, false] {
+        poison(&stream, &mut lp).unwrap();
+        poison(&stream, &mut lse).unwrap();
+        let r = head.forward(
+            &stream,
+            &FwdInputs { h: &h, w: &w, labels: &lab, problem: Problem::new(t, v, d) },
+            &FwdOptions { check_labels, ..Default::default() },
+            FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: None },
+        );
+        let got = download_f32(&stream, &lp).unwrap();
+        if check_labels {
+            assert!(matches!(r, Err(lmhead::Error::BadLabel { row: Some(2), label: Some(l) }) if l == v as i64), "{r:?}");
+            assert!(got.iter().all(|x| x.is_nan()), "a refused call wrote its outputs: {got:?}");
+        } else {
+            assert!(r.is_ok(), "{r:?}");
+            assert!(got[2].is_nan(), "bad-label row must be NaN, got {}", got[2]);
+            assert!(got[0].is_finite() && got[4].is_finite(), "{got:?}");
+        }
+    }
 }
