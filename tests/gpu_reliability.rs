@@ -668,41 +668,43 @@ fn cold_cache_bad_inputs_are_refused_before_tuning() {
         (r, written)
     };
     let bo = BwdOptions::default();
-    let bogus_dh = BwdOptions {
-        config: BwdConfigs { dh: Choice::Fixed(Family::BwdDw.candidates()[0]), ..BwdConfigs::all(Choice::Auto) },
-        ..bo.clone()
-    };
-    type Outcome = (lmhead::Result<lmhead::BwdReport>, bool);
-    let bcases: Vec<(&str, Outcome, Want)> = vec![
-        ("h", bwd(&BwdInputs { h: &h_short, ..bx }, &bo, t * d, v * d), |e| matches!(e, Error::Length { what: "h", .. })),
-        ("h align", bwd(&BwdInputs { h: &h_off, ..bx }, &bo, t * d, v * d), |e| matches!(e, Error::Misaligned { what: "h", .. })),
-        ("W", bwd(&BwdInputs { w: &w_short, ..bx }, &bo, t * d, v * d), |e| matches!(e, Error::Length { what: "W", .. })),
-        ("labels", bwd(&BwdInputs { labels: &l_short, ..bx }, &bo, t * d, v * d), |e| matches!(e, Error::Length { what: "labels", .. })),
-        ("lse", bwd(&BwdInputs { lse: &g_short, ..bx }, &bo, t * d, v * d), |e| matches!(e, Error::Length { what: "lse", .. })),
-        ("entropy", bwd(&BwdInputs { entropy: Some(&g_short), ..bx }, &bo, t * d, v * d), |e| {
-            matches!(e, Error::Length { what: "entropy", .. })
-        }),
-        ("grad_logprob", bwd(&BwdInputs { grad_logprob: Some(&g_short), ..bx }, &bo, t * d, v * d), |e| {
-            matches!(e, Error::Length { what: "grad_logprob", .. })
-        }),
-        ("grad_entropy", bwd(&BwdInputs { grad_entropy: Some(&g_short), ..bx }, &bo, t * d, v * d), |e| {
-            matches!(e, Error::Length { what: "grad_entropy", .. })
-        }),
-        ("entropy missing", bwd(&BwdInputs { entropy: None, ..bx }, &bo, t * d, v * d), |e| matches!(e, Error::Invalid(_))),
-        ("dh", bwd(&bx, &bo, t * d - 2, v * d), |e| matches!(e, Error::Length { what: "dh", .. })),
-        ("dW", bwd(&bx, &bo, t * d, v * d + 2), |e| matches!(e, Error::Length { what: "dW", .. })),
-        ("chunk 0", bwd(&bx, &BwdOptions { chunk: Some(0), ..bo.clone() }, t * d, v * d), |e| matches!(e, Error::Invalid(_))),
-        ("temperature", bwd(&bx, &BwdOptions { temperature: -1.0, ..bo.clone() }, t * d, v * d), |e| matches!(e, Error::Temperature(_))),
-        ("dh config", bwd(&bx, &bogus_dh, t * d, v * d), |e| matches!(e, Error::Config(_))),
-    ];
-    for (what, (r, written), want) in bcases {
+    // A tile config compiled for no family (GEMM candidates serve dh and dW alike, so a dW
+    // candidate is a valid dh config).
+    let not_compiled =
+        lmhead::TileConfig { bm: 96, bn: 96, bk: 32, stages: 2, warps_m: 2, warps_n: 2, mainloop: lmhead::Mainloop::MmaSync };
+    assert!(Family::ALL.iter().all(|f| !f.candidates().contains(&not_compiled)));
+    let bogus_dh = BwdOptions { config: BwdConfigs { dh: Choice::Fixed(not_compiled), ..BwdConfigs::all(Choice::Auto) }, ..bo.clone() };
+    // Each case is checked right after its call, so a case that tunes is named.
+    let check_b = |what: &str, (r, written): (lmhead::Result<lmhead::BwdReport>, bool), want: Want| {
         match &r {
             Err(e) if want(e) => {}
             other => panic!("backward {what}: expected its typed error, got {other:?}"),
         }
         assert!(!written, "backward {what}: an output was written by a refused call");
         no_tuning(what);
-    }
+    };
+    let full = (t * d, v * d);
+    let run = |x: &BwdInputs<i64>, o: &BwdOptions, (dh_len, dw_len): (usize, usize)| bwd(x, o, dh_len, dw_len);
+    check_b("h", run(&BwdInputs { h: &h_short, ..bx }, &bo, full), |e| matches!(e, Error::Length { what: "h", .. }));
+    check_b("h align", run(&BwdInputs { h: &h_off, ..bx }, &bo, full), |e| matches!(e, Error::Misaligned { what: "h", .. }));
+    check_b("W", run(&BwdInputs { w: &w_short, ..bx }, &bo, full), |e| matches!(e, Error::Length { what: "W", .. }));
+    check_b("labels", run(&BwdInputs { labels: &l_short, ..bx }, &bo, full), |e| matches!(e, Error::Length { what: "labels", .. }));
+    check_b("lse", run(&BwdInputs { lse: &g_short, ..bx }, &bo, full), |e| matches!(e, Error::Length { what: "lse", .. }));
+    check_b("entropy", run(&BwdInputs { entropy: Some(&g_short), ..bx }, &bo, full), |e| {
+        matches!(e, Error::Length { what: "entropy", .. })
+    });
+    check_b("grad_logprob", run(&BwdInputs { grad_logprob: Some(&g_short), ..bx }, &bo, full), |e| {
+        matches!(e, Error::Length { what: "grad_logprob", .. })
+    });
+    check_b("grad_entropy", run(&BwdInputs { grad_entropy: Some(&g_short), ..bx }, &bo, full), |e| {
+        matches!(e, Error::Length { what: "grad_entropy", .. })
+    });
+    check_b("entropy missing", run(&BwdInputs { entropy: None, ..bx }, &bo, full), |e| matches!(e, Error::Invalid(_)));
+    check_b("dh", run(&bx, &bo, (t * d - 2, v * d)), |e| matches!(e, Error::Length { what: "dh", .. }));
+    check_b("dW", run(&bx, &bo, (t * d, v * d + 2)), |e| matches!(e, Error::Length { what: "dW", .. }));
+    check_b("chunk 0", run(&bx, &BwdOptions { chunk: Some(0), ..bo.clone() }, full), |e| matches!(e, Error::Invalid(_)));
+    check_b("temperature", run(&bx, &BwdOptions { temperature: -1.0, ..bo.clone() }, full), |e| matches!(e, Error::Temperature(_)));
+    check_b("dh config", run(&bx, &bogus_dh, full), |e| matches!(e, Error::Config(_)));
     // warm_up with one bad shape among good ones tunes nothing.
     let r = head.warm_up(&[t, 4 * t], v, d + 4, true, true);
     assert!(matches!(r, Err(Error::Shape(_))), "{r:?}");
