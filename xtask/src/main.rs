@@ -5,7 +5,9 @@
 //!   table (registers, shared memory, stack, spills); fail on any stack frame or spill that
 //!   `lmhead_build::RESOURCE_ALLOWLIST` does not excuse.
 //! - `test`: `setup`, `build-ptx`, then every test of the workspace (GPU tests skip with a
-//!   printed reason when there is no CUDA driver). This is the command README and CI run.
+//!   printed reason when there is no CUDA driver), then the PyTorch package's suite
+//!   (`bindings/python/ci.sh`: venv, torch, the wheel, pytest on CPU tensors; GPU tests skip).
+//!   This is the command README and CI run. `LMHEAD_SKIP_PYTHON=1` leaves the Python suite out.
 //! - `demo`: the main job: a fused LM-head forward and backward with a result check against the
 //!   f64 reference, on the GPU if there is one, else on the CPU backend at a smaller shape.
 //! - `bench [args]`: run `lmhead-bench` here (needs a GPU).
@@ -85,7 +87,12 @@ fn test(extra: &[String]) -> Result<(), String> {
     if !has_driver {
         eprintln!("xtask: no CUDA driver library found: GPU tests will be skipped (they print SKIP lines)");
     }
-    status(cargo().current_dir(root()).args(["test", "--workspace", "--release"]).args(extra))
+    status(cargo().current_dir(root()).args(["test", "--workspace", "--release"]).args(extra))?;
+    if std::env::var("LMHEAD_SKIP_PYTHON").is_ok_and(|v| v == "1") {
+        eprintln!("xtask: LMHEAD_SKIP_PYTHON=1: the PyTorch package's tests (bindings/python/ci.sh) are skipped");
+        return Ok(());
+    }
+    status(Command::new("bash").arg(root().join("bindings/python/ci.sh")))
 }
 
 /// The test binaries that need a GPU (the rest run in CI).
