@@ -23,17 +23,17 @@ fn main() {
                 (Family::BwdDlogitsEnt, MmaSync) => ("LogitsParams", format!("bwd::dlogits::<{generics}, true>")),
                 (Family::BwdDh, MmaSync) => ("GemmParams", format!("bwd::gemm::<{generics}, true>")),
                 (Family::BwdDw, MmaSync) => ("GemmParams", format!("bwd::gemm::<{generics}, false>")),
-                (Family::Fwd, Sm90 { store: Store::Registers }) => ("LogitsParams", format!("hopper::fwd_wg::<{wg}, false>")),
-                (Family::FwdEnt, Sm90 { store: Store::Registers }) => ("LogitsParams", format!("hopper::fwd_wg::<{wg}, true>")),
+                (Family::Fwd, Sm90 { store: Store::Registers }) => ("LogitsParams", format!("sm90::fwd_wg::<{wg}, false>")),
+                (Family::FwdEnt, Sm90 { store: Store::Registers }) => ("LogitsParams", format!("sm90::fwd_wg::<{wg}, true>")),
                 (Family::BwdDlogits, Sm90 { store }) => {
-                    ("LogitsParams", format!("hopper::dlogits_wg::<{wg}, false, {}>", store == Store::Tma))
+                    ("LogitsParams", format!("sm90::dlogits_wg::<{wg}, false, {}>", store == Store::Tma))
                 }
                 (Family::BwdDlogitsEnt, Sm90 { store }) => {
-                    ("LogitsParams", format!("hopper::dlogits_wg::<{wg}, true, {}>", store == Store::Tma))
+                    ("LogitsParams", format!("sm90::dlogits_wg::<{wg}, true, {}>", store == Store::Tma))
                 }
                 // dh: A (staging) K-major, B (`W` chunk) MN-major in place; dW: both in place.
-                (Family::BwdDh, Sm90 { store: Store::Registers }) => ("GemmParams", format!("hopper::gemm_wg::<{wg}, false, true>")),
-                (Family::BwdDw, Sm90 { store: Store::Registers }) => ("GemmParams", format!("hopper::gemm_wg::<{wg}, true, true>")),
+                (Family::BwdDh, Sm90 { store: Store::Registers }) => ("GemmParams", format!("sm90::gemm_wg::<{wg}, false, true>")),
+                (Family::BwdDw, Sm90 { store: Store::Registers }) => ("GemmParams", format!("sm90::gemm_wg::<{wg}, true, true>")),
                 (Family::Fwd | Family::FwdEnt | Family::BwdDh | Family::BwdDw, Sm90 { store: Store::Tma }) => {
                     panic!("{family:?} {c:?}: only the d-logits store their tile through TMA")
                 }

@@ -3,10 +3,10 @@
 //! as a wrong log-prob somewhere in a full kernel (`tests/gpu_units.rs`).
 //!
 //! Both run one warpgroup (128 threads) and use the same wrappers as the mainloop: the mbarrier
-//! and TMA wrappers of `intrinsics`, `lmhead_core::wgmma` descriptors and `hopper::wgmma_k16`.
+//! and TMA wrappers of `intrinsics`, `lmhead_core::wgmma` descriptors and `sm90::wgmma_k16`.
 
-use crate::hopper::{wgmma_k16, StoreBoxes, WgAcc};
 use crate::intrinsics::{self, SmemAddr};
+use crate::sm90::{wgmma_k16, StoreBoxes, WgAcc};
 use lmhead_core::params::UnitParams;
 
 /// Initialise one mbarrier at `bar` (thread 0), make it visible, and have thread 0 start the TMA
@@ -65,7 +65,7 @@ pub unsafe fn tma_copy(p: &UnitParams) {
 
 /// `C = A · Bᵀ` for one 64 × 64 A tile and one `128·NW` × 64 B tile (both loaded by TMA from the
 /// two maps of `p` at coordinates (0, 0)), accumulated over the four k16 steps of the stage by
-/// `hopper::wgmma_k16`; thread `t` writes its accumulators to `out [64][128·NW]` (f32) at the
+/// `sm90::wgmma_k16`; thread `t` writes its accumulators to `out [64][128·NW]` (f32) at the
 /// positions the mainloop's epilogues assume (`intrinsics::wgmma_m64n128k16_bf16`).
 ///
 /// # Safety
@@ -150,7 +150,7 @@ pub unsafe fn wgmma_tile_mn(p: &UnitParams) {
 }
 
 /// Two 64 × 64 bf16 tiles of known bit patterns stored by one warpgroup through
-/// `hopper::StoreBoxes`, as the `tma_store` d-logits store theirs (`stmatrix` into the swizzled
+/// `sm90::StoreBoxes`, as the `tma_store` d-logits store theirs (`stmatrix` into the swizzled
 /// boxes, then a TMA store with the first map of `p`): tile `i` at `(p.k0 + 64i, p.row0)`, its
 /// element (r, c) the raw 16-bit pattern `4096·i + 64·r + c`.
 ///

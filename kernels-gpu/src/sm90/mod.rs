@@ -1,0 +1,261 @@
+//! The sm90 mainloop: a warp-specialised pipeline in which a producer warpgroup loads 64-deep
+//! stages with the tensor memory accelerator (tensor maps made by the host) into an mbarrier
+//! full/empty ring, and the consumer warpgroups issue `wgmma.mma_async` on the stages
+//! (128-byte swizzle, descriptors from `lmhead_core::wgmma`) and run the epilogue; and the three
+//! kernels built on it: the fused forward, the backward d-logits, and the backward GEMMs.
+//!
+//! `T≙M, V≙N, D≙K`. A block has `WGM` consumer warpgroups (4 warps each) stacked along M, each
+//! owning 64 rows of the `BM = 64·WGM` token tile and all `BN = 128·NW` vocab columns (NW
+//! `m64n128k16` instructions per k16 step), plus the producer warpgroup ([`tma_split`],
+//! `setmaxnreg` moves registers from it to the consumers).
+//!
+//! The forward and the d-logits read `h` and `W` K-major. The GEMMs read their operands as
+//! stored: `dh`'s B (the `W` chunk `[k][n]`) and `dW`'s A (the staging buffer `[k][m]`) and B
+//! (`h`, `[k][n]`) are MN-major tiles loaded as 64-wide slabs and read with `wgmma`'s transpose
+//! bits (`AMN`/`BMN`; [`pipeline::tma_operand`], [`wgmma_k16`]).
+//!
+//! The epilogue folds each 64-column half of a 128-column block with `fwd::fold_tile` (the
+//! accumulator layout of `m64n128k16` is the `mma.sync` m16n8 layout per 8 columns, one m16 tile
+//! per warp), and the block reduction is `fwd::store_partials` with one warp along N; the
+//! d-logits epilogue can instead store through shared memory by TMA ([`StoreBoxes`]).
+//!
+//! Layout: `pipeline` (the mbarrier ring, the producer's TMA loads and the consumers' K loop,
+//! [`tma_split`] / [`tma_pipeline`]), `wgmma` (accumulators, operand descriptors, the k16 step),
+//! `store` (the TMA-store epilogue, [`StoreBoxes`]); here, the three kernel bodies and the small
+//! helpers they share.
+
+mod pipeline;
+mod store;
+mod wgmma;
+
+use crate::bwd::{dlogits_pair, row_coeffs, store_dlogits, store_gemm};
+use crate::fwd::{fold_tile, load_label, local_column, store_partials};
+use crate::intrinsics;
+use crate::mainloop::{Acc, WarpPos};
+use lmhead_core::config::TMA_STORE_BYTES;
+use lmhead_core::lse::Lse2;
+use lmhead_core::params::{GemmParams, LogitsParams};
+use pipeline::{tma_pipeline, tma_split, TmaRing, BK};
+pub(crate) use store::StoreBoxes;
+use store::BOX_BYTES;
+pub(crate) use wgmma::{wgmma_k16, WgAcc};
+
+/// This thread's warp position: warp `w` holds rows `16w .. 16w + 16` of the block tile and
+/// every column.
+#[inline(always)]
+fn warp_pos(tid: u32) -> WarpPos {
+    WarpPos { tid, lane: tid & 31, wm0: 16 * (tid >> 5), wn0: 0, warp_n: 0 }
+}
+
+/// One 64-column half of a 128-column block as the `Acc<1, 8>` of the shared epilogues.
+#[inline(always)]
+fn half<const NW: usize>(acc: &mut WgAcc<NW>, nb: usize, h: usize) -> &mut Acc<1, 8> {
+    core::array::from_mut(&mut acc[nb][h])
+}
+
+/// The fused forward on the Hopper mainloop. Same contract and outputs as `fwd::fwd`.
+///
+/// # Safety
+/// Launched with `(WGM + 1)·128` threads (the last warpgroup is the producer), a grid of
+/// `(ceil(t/BM), n_splits)` blocks and `(BM + BN)·64·2·ST` bytes of dynamic shared memory (plus
+/// `16·ST` for the mbarriers, and `p.tmaps` set); `p` describes valid device buffers as for
+/// `fwd::fwd`.
+#[inline(always)]
+pub unsafe fn fwd_wg<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const ENT: bool>(
+    p: &LogitsParams,
+) {
+    let tid = intrinsics::thread_idx();
+    let (m_tile, split) = lmhead_core::split::raster(
+        intrinsics::block_idx_x(),
+        intrinsics::block_idx_y(),
+        intrinsics::grid_dim_x(),
+        intrinsics::grid_dim_y(),
+        p.raster_group,
+    );
+    let m0 = m_tile * BM as u32;
+    let v_tiles = p.v.div_ceil(BN as u32);
+    let tile_begin = split * p.tiles_per_split;
+    let n_tiles = (v_tiles - tile_begin).min(p.tiles_per_split);
+    let kt = p.d.div_ceil(BK as u32);
+    let n0_first = tile_begin * BN as u32;
+    // SAFETY: first call, by every thread; the kernel contract provides the maps.
+    unsafe { tma_split::<BM, BN, ST, WGM, false, false>(tid, p.tmaps, m0, n0_first, n_tiles, kt) };
+    let w = warp_pos(tid);
+
+    // ---- Prologue: per-row state and labels ------------------------------------------------
+    let mut st = [[Lse2::<f32>::EMPTY; 2]; 1];
+    let mut z_label = [[0.0f32; 2]; 1];
+    let mut label = [[-1i32; 2]; 1];
+    unroll!(2, |h| {
+        let row = m0 + w.row(0, h);
+        if row < p.t {
+            // SAFETY: row < t and labels holds t elements (kernel contract).
+            label[0][h] = local_column(p, unsafe { load_label(p.labels, p.label_kind, row) });
+        }
+    });
+    let mut acc: WgAcc<NW> = [[[[0.0; 4]; 8]; 2]; NW];
+
+    // ---- Main loop, each tile folded into the row states ------------------------------------
+    let finish = #[inline(always)]
+    |tile: u32, acc: &mut WgAcc<NW>| {
+        let n0 = n0_first + tile * BN as u32;
+        unroll!(NW, |nb| {
+            unroll!(2, |h| {
+                fold_tile::<64, 1, 8, ENT>(p, &w, n0 + (nb * 128 + h * 64) as u32, half(acc, nb, h), &mut st, &mut z_label, &label);
+            });
+        });
+    };
+    // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
+    unsafe { tma_pipeline::<BM, BN, ST, WGM, NW, false, false>(tid, n_tiles, kt, &mut acc, finish) };
+
+    // ---- Epilogue ---------------------------------------------------------------------------
+    // SAFETY: all consumer threads, ring drained behind the pipeline's last barrier; BM·16 bytes
+    // fit.
+    unsafe { store_partials::<BM, 1, 1, ENT>(p, &w, &mut st, &mut z_label, m0, split, intrinsics::smem_base(), (WGM * 128) as u32) };
+}
+
+/// This block's output tiles in a grid of `(m tiles, n groups)` blocks, taken in
+/// [`lmhead_core::split::raster`] order with groups of `group` m tiles (0 = plain): the first
+/// row, the first column and the count of the `per` consecutive `BN`-wide tiles (of `n_total`)
+/// the block walks. The pipeline runs on from one tile into the next, so a block pays one fill
+/// and its epilogues overlap the producer's loads; the raster keeps the rows resident blocks
+/// read together within L2 (`split::plan_l2`, which also picks `per`).
+#[inline(always)]
+fn block_tiles<const BM: usize, const BN: usize>(group: u32, per: u32, n_total: u32) -> (u32, u32, u32) {
+    let (mt, ng) = lmhead_core::split::raster(
+        intrinsics::block_idx_x(),
+        intrinsics::block_idx_y(),
+        intrinsics::grid_dim_x(),
+        intrinsics::grid_dim_y(),
+        group,
+    );
+    let per = if per == 0 { 1 } else { per };
+    let first = ng * per;
+    // The host launches `ceil(n_total / per)` groups, so `first < n_total`; saturate anyway.
+    let count = n_total.saturating_sub(first).min(per);
+    (mt * BM as u32, first * BN as u32, count)
+}
+
+/// Backward d-logits of one vocab chunk on the Hopper mainloop. Same contract as
+/// `bwd::dlogits`. `TS`: the tile is stored through [`StoreBoxes`] by the tensor
+/// memory accelerator, with a third tensor map over the staging buffer.
+///
+/// # Safety
+/// Launched with `(WGM + 1)·128` threads, grid
+/// `(ceil(t/BM), ceil(ceil(staging_stride/BN) / max(1, p.tiles_per_split)))`, the ring's
+/// dynamic shared memory (with the mbarriers and `p.tmaps`; for `TS` 1024 bytes after the
+/// ring, then `TMA_STORE_BYTES`, and a third map in `p.tmaps`: the staging buffer
+/// `[t][staging_stride]`, 64 × 64 boxes, 128-byte swizzle); buffers as for `bwd::dlogits`.
+#[inline(always)]
+pub unsafe fn dlogits_wg<
+    const BM: usize,
+    const BN: usize,
+    const ST: usize,
+    const WGM: usize,
+    const NW: usize,
+    const ENT: bool,
+    const TS: bool,
+>(
+    p: &LogitsParams,
+) {
+    let tid = intrinsics::thread_idx();
+    let n_total = (p.staging_stride as u32).div_ceil(BN as u32);
+    let (m0, n0_first, n_tiles) = block_tiles::<BM, BN>(p.raster_group, p.tiles_per_split, n_total);
+    let kt = p.d.div_ceil(BK as u32);
+    // SAFETY: first call, by every thread; the kernel contract provides the maps.
+    unsafe { tma_split::<BM, BN, ST, WGM, false, false>(tid, p.tmaps, m0, p.v_chunk_begin + n0_first, n_tiles, kt) };
+    let w = warp_pos(tid);
+    // SAFETY: buffers per the kernel contract.
+    let coeffs = unsafe { row_coeffs::<1, ENT>(p, &w, m0) };
+    let mut acc: WgAcc<NW> = [[[[0.0; 4]; 8]; 2]; NW];
+    if TS {
+        // The host's `TileConfig::smem_bytes` reserves exactly these boxes for the block.
+        const { assert!(!TS || WGM as u32 * 2 * BOX_BYTES == TMA_STORE_BYTES as u32) };
+        let boxes = TmaRing::new::<BM, BN, ST>().store_boxes();
+        let mut out = StoreBoxes::new(boxes, (p.tmaps as *const u8).wrapping_add(256), tid);
+        let row = m0 + 64 * (tid >> 7);
+        let lane = tid & 31;
+        let finish = #[inline(always)]
+        |tile: u32, acc: &mut WgAcc<NW>| {
+            let n0 = n0_first + tile * BN as u32;
+            unroll!(NW, |nb| {
+                unroll!(2, |h| {
+                    let c0 = n0 + (nb * 128 + h * 64) as u32;
+                    let mut v = [[0u32; 2]; 8];
+                    unroll!(8, |j| {
+                        unroll!(2, |hh| {
+                            let x = acc[nb][h][j];
+                            v[j][hh] =
+                                dlogits_pair::<1, ENT>(p, &coeffs, 0, hh, c0 + (8 * j) as u32 + 2 * (lane & 3), [x[2 * hh], x[2 * hh + 1]]);
+                        });
+                    });
+                    // SAFETY: every consumer thread of the warpgroup runs each finish; the
+                    // boxes follow the ring per the kernel contract; the staging map is the
+                    // third one; this block alone writes these rows and columns of the chunk.
+                    unsafe { out.store(&v, c0, row) };
+                });
+            });
+        };
+        // SAFETY: every thread calls with the same arguments; smem and operands per the
+        // contract.
+        unsafe { tma_pipeline::<BM, BN, ST, WGM, NW, false, false>(tid, n_tiles, kt, &mut acc, finish) };
+        out.drain();
+        return;
+    }
+    let finish = #[inline(always)]
+    |tile: u32, acc: &mut WgAcc<NW>| {
+        let n0 = n0_first + tile * BN as u32;
+        unroll!(NW, |nb| {
+            unroll!(2, |h| {
+                // SAFETY: staging per the kernel contract.
+                unsafe { store_dlogits::<1, 8, ENT>(p, &w, m0, n0 + (nb * 128 + h * 64) as u32, half(acc, nb, h), &coeffs) };
+            });
+        });
+    };
+    // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
+    unsafe { tma_pipeline::<BM, BN, ST, WGM, NW, false, false>(tid, n_tiles, kt, &mut acc, finish) };
+}
+
+/// Backward GEMM `C[m, n] (+)= Σ_k A[m, k] · B[k, n]` on the sm90 mainloop, operands read as
+/// stored: `dh`'s A is the staging buffer `[m][k]` (K-major) and B the `W` chunk `[k][n]`
+/// (`BMN`); `dW`'s A is the staging buffer read as `[k][m]` (`AMN`) and B is `h` `[k][n]`
+/// (`BMN`). `wgmma` reads MN-major tiles with its transpose bits; the layouts and bounds are in
+/// `p.tmaps` (`p.a`, `p.b` unused).
+///
+/// # Safety
+/// Launched with `(WGM + 1)·128` threads, grid
+/// `(ceil(m/BM), ceil(ceil(n/BN) / max(1, p.tiles_per_block)))`, the ring's dynamic shared
+/// memory with the mbarriers, and `p.tmaps`, whose maps have the layouts `AMN` and `BMN` name;
+/// C buffers as for `bwd::gemm`.
+#[inline(always)]
+pub unsafe fn gemm_wg<
+    const BM: usize,
+    const BN: usize,
+    const ST: usize,
+    const WGM: usize,
+    const NW: usize,
+    const AMN: bool,
+    const BMN: bool,
+>(
+    p: &GemmParams,
+) {
+    let tid = intrinsics::thread_idx();
+    let (m0, n0_first, n_tiles) = block_tiles::<BM, BN>(p.raster_group, p.tiles_per_block, p.n.div_ceil(BN as u32));
+    let kt = p.k.div_ceil(BK as u32);
+    // SAFETY: first call, by every thread; the kernel contract provides the maps.
+    unsafe { tma_split::<BM, BN, ST, WGM, AMN, BMN>(tid, p.tmaps, m0, n0_first, n_tiles, kt) };
+    let w = warp_pos(tid);
+    let mut acc: WgAcc<NW> = [[[[0.0; 4]; 8]; 2]; NW];
+    let finish = #[inline(always)]
+    |tile: u32, acc: &mut WgAcc<NW>| {
+        let n0 = n0_first + tile * BN as u32;
+        unroll!(NW, |nb| {
+            unroll!(2, |h| {
+                // SAFETY: C buffers per the kernel contract.
+                unsafe { store_gemm::<1, 8>(p, &w, m0, n0 + (nb * 128 + h * 64) as u32, half(acc, nb, h)) };
+            });
+        });
+    };
+    // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
+    unsafe { tma_pipeline::<BM, BN, ST, WGM, NW, AMN, BMN>(tid, n_tiles, kt, &mut acc, finish) };
+}
