@@ -40,7 +40,7 @@ fn main() {
             };
             writeln!(
                 out,
-                "/// # Safety\n/// See the kernel body.\n#[unsafe(no_mangle)]\npub unsafe extern \"ptx-kernel\" fn {name}(p: {params}) {{\n    // SAFETY: the host launches each entry with its config's threads, grid and shared memory\n    // and with buffers that satisfy the body's contract (host/src/launch.rs).\n    unsafe {{ {call}(&p) }}\n}}\n"
+                "/// # Safety\n/// See the kernel body.\n#[unsafe(no_mangle)]\npub unsafe extern \"ptx-kernel\" fn {name}(p: {params}) {{\n    // SAFETY: the host launches each entry with its config's threads, grid and shared memory\n    // and with buffers that satisfy the body's contract (host/src/launch/).\n    unsafe {{ {call}(&p) }}\n}}\n"
             )
             .unwrap();
         }

@@ -5,7 +5,7 @@
 //!
 //! The checks work on plain [`Buf`] descriptions (address and element count), so they are
 //! tested without a GPU (`tests/validation.rs`); the launch functions check the same bounds
-//! again next to each launch (defence in depth, see `launch.rs`).
+//! again next to each launch (defence in depth, see `launch/`).
 
 use lmhead_core::config::Family;
 use lmhead_core::Problem;

@@ -59,7 +59,7 @@ macro_rules! fixed_entry {
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(p: $params) {
             // SAFETY: the host launches this entry with the geometry and buffers the body's
-            // contract requires (host/src/launch.rs).
+            // contract requires (host/src/launch/).
             unsafe { $body(&p) }
         }
     };

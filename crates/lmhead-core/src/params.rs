@@ -1,5 +1,5 @@
 //! Kernel parameter structs: the device ABI. Each kernel takes one of these by value; the host
-//! fills it in `host/src/launch.rs`. Pointers are raw device addresses (`u64`), lengths and
+//! fills it in `host/src/launch/`. Pointers are raw device addresses (`u64`), lengths and
 //! strides are in elements. Changing a field here changes both sides at once; a host test checks
 //! `size_of`/`align_of` so that an accidental change is noticed.
 //!

@@ -1,0 +1,293 @@
+//! Launches of the tuned tile kernels — the forward mainloop, the backward d-logits and the two
+//! backward GEMMs — with the bounds each relies on and the order their blocks walk the tiles in.
+
+use std::sync::Arc;
+
+use cudarc::driver::CudaStream;
+use lmhead_core::config::{kernel_name, Family, TileConfig};
+use lmhead_core::params::{GemmParams, LogitsParams};
+use lmhead_core::split;
+
+use super::tmap::{tma_maps_for, TmaOperand};
+use super::{launch, Dev, Labels};
+use crate::device::Gpu;
+use crate::error::{Error, Result};
+use crate::overrides::Overrides;
+
+/// Scalars shared by the logits kernels.
+#[derive(Clone, Copy, Debug)]
+pub struct Scalars {
+    pub inv_temp: f32,
+    pub ignore_index: i64,
+    pub v_begin: i64,
+}
+
+impl Scalars {
+    fn fill(&self, p: &mut LogitsParams) {
+        p.inv_temp = self.inv_temp;
+        p.scale2 = (lmhead_core::lse::LOG2_E as f32) * self.inv_temp;
+        p.ignore_index = self.ignore_index;
+        p.v_begin = self.v_begin;
+    }
+}
+
+/// Shape of a logits launch: `t` tokens, `v` local vocab rows, `d` hidden.
+#[derive(Clone, Copy, Debug)]
+pub struct Dims {
+    pub t: usize,
+    pub v: usize,
+    pub d: usize,
+}
+
+pub(super) fn check_hw(h: &Dev, w: &Dev, labels: &Labels, dims: Dims) -> Result<(u64, u64, u64)> {
+    // cp.async reads 16-byte chunks: rows of h and W must start 16-byte aligned (d % 8 == 0 is
+    // checked by the shape check; the base address here).
+    let hp = h.check_exact(dims.t * dims.d, 16)?;
+    let wp = w.check_exact(dims.v * dims.d, 16)?;
+    let lp = labels.dev.check_exact(dims.t, labels.elem())?;
+    Ok((hp, wp, lp))
+}
+
+/// The forward mainloop: writes `partials[split][row]` for every split of `plan` and row `< t`.
+#[allow(clippy::too_many_arguments)]
+pub fn fwd_mainloop(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    entropy: bool,
+    cfg: TileConfig,
+    plan: lmhead_core::split::SplitPlan,
+    dims: Dims,
+    sc: Scalars,
+    h: &Dev,
+    w: &Dev,
+    labels: &Labels,
+    partials: &Dev,
+) -> Result<u32> {
+    let family = if entropy { Family::FwdEnt } else { Family::Fwd };
+    let (hp, wp, lp) = check_hw(h, w, labels, dims)?;
+    let v_tiles = dims.v.div_ceil(cfg.bn as usize) as u32;
+    let tiles_per_split = plan.tiles_per_split;
+    if tiles_per_split == 0 {
+        return Err(Error::Config("tiles_per_split must be ≥ 1".into()));
+    }
+    let n_splits = v_tiles.div_ceil(tiles_per_split);
+    let pp = partials.check(n_splits as usize * dims.t, 16)?;
+    let mut p = LogitsParams {
+        h: hp,
+        w: wp,
+        labels: lp,
+        partials: pp,
+        h_row_stride: dims.d as u64,
+        w_row_stride: dims.d as u64,
+        t: dims.t as u32,
+        v: dims.v as u32,
+        d: dims.d as u32,
+        label_kind: labels.kind,
+        tiles_per_split,
+        // Only the Hopper forward reads the raster order.
+        raster_group: if cfg.is_sm90() { plan.raster_group } else { 0 },
+        ..Default::default()
+    };
+    sc.fill(&mut p);
+    let (maps, tmaps) = tma_maps_for(
+        cfg,
+        stream,
+        &[TmaOperand::k_major(hp, dims.t, dims.d, dims.d, cfg.bm), TmaOperand::k_major(wp, dims.v, dims.d, dims.d, cfg.bn)],
+    )?;
+    p.tmaps = tmaps;
+    let grid = (dims.t.div_ceil(cfg.bm as usize) as u32, n_splits);
+    launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
+    drop(maps);
+    Ok(n_splits)
+}
+
+/// How a Hopper backward grid of `m_tiles × n_tiles` output tiles (`k`-deep) is walked: the
+/// forward's split planner ([`split::plan_l2`], with A's `BM × k` rows as the resident tile)
+/// gives the consecutive n tiles per block and the raster group. With one tile per block, as
+/// the `cp.async` kernels take them, every tile pays a pipeline fill and an exposed epilogue
+/// (measured on the H200 at t = 8192, d = 4096, chunks of 8192: d-logits ≈ 1.5× and `dh` ≈ 1.3×
+/// the time per FLOP of the whole-vocab cuBLAS GEMM). `LMHEAD_BWD_TILES`
+/// and `LMHEAD_BWD_RASTER` override the plan ([`crate::overrides`]).
+fn bwd_plan(gpu: &Gpu, cfg: TileConfig, m_tiles: u32, n_tiles: u32, k: usize) -> split::SplitPlan {
+    if !cfg.is_sm90() {
+        return split::SplitPlan { tiles_per_split: 1, n_splits: n_tiles, raster_group: 0 };
+    }
+    let info = gpu.info();
+    let l2 = split::L2Model::of(cfg.bm.into(), k as u64, info.l2_bytes);
+    Overrides::get().bwd.apply(split::plan_l2(m_tiles, n_tiles, info.sm_count, l2), n_tiles)
+}
+
+/// Backward d-logits of the chunk `[chunk_begin, chunk_begin + chunk)` of the local vocab into
+/// `staging [t][stride]`.
+#[allow(clippy::too_many_arguments)]
+pub fn bwd_dlogits(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    cfg: TileConfig,
+    dims: Dims,
+    sc: Scalars,
+    (chunk_begin, chunk, stride): (usize, usize, usize),
+    h: &Dev,
+    w: &Dev,
+    labels: &Labels,
+    lse: &Dev,
+    grad_logprob: Option<&Dev>,
+    ent: Option<(&Dev, &Dev)>,
+    staging: &Dev,
+) -> Result<()> {
+    let (hp, wp, lp) = check_hw(h, w, labels, dims)?;
+    if chunk == 0 || chunk_begin + chunk > dims.v || stride % 8 != 0 || stride < chunk {
+        return Err(Error::Config(format!("bad vocab chunk {chunk_begin}+{chunk} (stride {stride}) of v = {}", dims.v)));
+    }
+    let mut p = LogitsParams {
+        h: hp,
+        w: wp,
+        labels: lp,
+        lse: lse.check_exact(dims.t, 4)?,
+        staging: staging.check(dims.t * stride, 16)?,
+        h_row_stride: dims.d as u64,
+        w_row_stride: dims.d as u64,
+        staging_stride: stride as u64,
+        t: dims.t as u32,
+        v: dims.v as u32,
+        d: dims.d as u32,
+        label_kind: labels.kind,
+        v_chunk_begin: chunk_begin as u32,
+        v_chunk: chunk as u32,
+        ..Default::default()
+    };
+    if let Some(g) = grad_logprob {
+        p.grad_logprob = g.check_exact(dims.t, 4)?;
+    }
+    let family = match ent {
+        Some((g, e)) => {
+            p.grad_entropy = g.check_exact(dims.t, 4)?;
+            p.entropy = e.check_exact(dims.t, 4)?;
+            Family::BwdDlogitsEnt
+        }
+        None => Family::BwdDlogits,
+    };
+    sc.fill(&mut p);
+    let m_tiles = dims.t.div_ceil(cfg.bm as usize) as u32;
+    let plan = bwd_plan(gpu, cfg, m_tiles, stride.div_ceil(cfg.bn as usize) as u32, dims.d);
+    (p.tiles_per_split, p.raster_group) = (plan.tiles_per_split, plan.raster_group);
+    let grid = (m_tiles, plan.n_splits);
+    // The B map ends at the chunk: rows beyond it load as zeros, as the `cp.async` path's bound.
+    // A `tma_store` config stores through a third map over the staging buffer, which clips rows
+    // ≥ t and columns ≥ stride as the other epilogue's guards do.
+    let a_map = TmaOperand::k_major(hp, dims.t, dims.d, dims.d, cfg.bm);
+    let b_map = TmaOperand::k_major(wp, chunk_begin + chunk, dims.d, dims.d, cfg.bn);
+    let store_map = TmaOperand::k_major(p.staging, dims.t, stride, stride, 64);
+    let ops: &[TmaOperand] = if cfg.mainloop.tma_store() { &[a_map, b_map, store_map] } else { &[a_map, b_map] };
+    let (maps, tmaps) = tma_maps_for(cfg, stream, ops)?;
+    p.tmaps = tmaps;
+    // Columns beyond the chunk up to a whole tile are written only below `stride`.
+    launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
+    drop(maps);
+    Ok(())
+}
+
+/// How a backward GEMM treats its f32 accumulator and output.
+#[derive(Clone, Copy, Debug)]
+pub struct GemmOut {
+    /// Add the accumulator's current contents.
+    pub accumulate: bool,
+    /// Write the sum back to the accumulator.
+    pub write_acc: bool,
+    /// Write the sum to `out` as f32 (else bf16), when `out` is given.
+    pub out_f32: bool,
+}
+
+/// `C[m][n] (+)= Σ_k A · B` for the backward, on the operands as stored: `family` is `BwdDh`
+/// (A `[m][k]` K-major) or `BwdDw` (A `[k][m]` M-major, i.e. the staging buffer read
+/// transposed); B is `[k][n]`. `cfg` is an `mma.sync` config or an sm90 one (which reads the
+/// operands in place through tensor maps).
+#[allow(clippy::too_many_arguments)]
+pub fn bwd_gemm(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    family: Family,
+    cfg: TileConfig,
+    (m, n, k): (usize, usize, usize),
+    (a, a_stride): (&Dev, usize),
+    (b, b_stride): (&Dev, usize),
+    acc: Option<&Dev>,
+    out: Option<&Dev>,
+    mode: GemmOut,
+) -> Result<()> {
+    if n % 8 != 0 || a_stride % 8 != 0 || b_stride % 8 != 0 || b_stride < n {
+        return Err(Error::Config(format!("gemm needs n, strides multiples of 8 (n {n}, strides {a_stride}, {b_stride})")));
+    }
+    // A is read in whole 16-byte chunks up to its column bound rounded up to 8.
+    let a_need = match family {
+        Family::BwdDh => {
+            if a_stride < k.next_multiple_of(8) {
+                return Err(Error::Config("dh: A stride below k".into()));
+            }
+            m * a_stride
+        }
+        Family::BwdDw => {
+            if a_stride < m.next_multiple_of(8) {
+                return Err(Error::Config("dW: A stride below m".into()));
+            }
+            k * a_stride
+        }
+        _ => return Err(Error::Config(format!("{family:?} is not a GEMM family"))),
+    };
+    let (a, b) = (a.check(a_need, 16)?, b.check(k * b_stride, 16)?);
+    // The tensor maps of an in-place TMA config: B, and dW's A, are MN-major.
+    let a_map = match family {
+        Family::BwdDh => TmaOperand::k_major(a, m, k, a_stride, cfg.bm),
+        _ => TmaOperand::mn_major(a, k, m, a_stride),
+    };
+    let maps = (a_map, TmaOperand::mn_major(b, k, n, b_stride));
+    launch_gemm(gpu, stream, family, cfg, (m, n, k), (a, a_stride), (b, b_stride), maps, acc, out, mode)
+}
+
+/// The launch shared by both GEMM kinds, after each checked its operands (and described them
+/// as tensor maps, which only a TMA config loads through): the C buffers' bounds for `mode`,
+/// then the grid of `(bm × bn)` tiles.
+#[allow(clippy::too_many_arguments)]
+fn launch_gemm(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    family: Family,
+    cfg: TileConfig,
+    (m, n, k): (usize, usize, usize),
+    (a, a_stride): (u64, usize),
+    (b, b_stride): (u64, usize),
+    (a_map, b_map): (TmaOperand, TmaOperand),
+    acc: Option<&Dev>,
+    out: Option<&Dev>,
+    mode: GemmOut,
+) -> Result<()> {
+    let mut p = GemmParams {
+        a,
+        b,
+        a_stride: a_stride as u64,
+        b_stride: b_stride as u64,
+        c_stride: n as u64,
+        m: m as u32,
+        n: n as u32,
+        k: k as u32,
+        accumulate: mode.accumulate as u32,
+        write_acc: mode.write_acc as u32,
+        out_f32: mode.out_f32 as u32,
+        ..Default::default()
+    };
+    if mode.accumulate || mode.write_acc {
+        p.c_acc = acc.ok_or_else(|| Error::Config("gemm: accumulator missing".into()))?.check(m * n, 8)?;
+    }
+    if let Some(o) = out {
+        p.c_out = o.check(m * n, if mode.out_f32 { 8 } else { 4 })?;
+    }
+    let (maps, tmaps) = tma_maps_for(cfg, stream, &[a_map, b_map])?;
+    p.tmaps = tmaps;
+    let m_tiles = m.div_ceil(cfg.bm as usize) as u32;
+    let plan = bwd_plan(gpu, cfg, m_tiles, n.div_ceil(cfg.bn as usize) as u32, k);
+    (p.tiles_per_block, p.raster_group) = (plan.tiles_per_split, plan.raster_group);
+    let grid = (m_tiles, plan.n_splits);
+    launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
+    drop(maps);
+    Ok(())
+}
