@@ -14,7 +14,6 @@ use lmhead_core::Problem;
 
 use crate::error::{Context as _, Error, Result};
 use crate::launch::{self, dev_in, dev_out, Dev, Dims, Labels, MergeOuts, MergeStep, Scalars};
-use crate::overrides::Overrides;
 use crate::tp::{Communicator, ReduceOp, Shard};
 use crate::tune::{Choice, TuneKey};
 use crate::validate;
@@ -238,21 +237,9 @@ impl LmHead {
         Err(Error::BadLabel { row: (row < t).then_some(row), label })
     }
 
-    /// The vocab split and launch order for `cfg` on this device (see `lmhead_core::split`),
-    /// with the measurement overrides of [`crate::overrides`] (`LMHEAD_FWD_L2=0`: no L2 model;
-    /// `LMHEAD_FWD_SPLITS`, `LMHEAD_FWD_RASTER`).
+    /// The vocab split and launch order for `cfg` on this device ([`crate::plan::fwd`]).
     pub(crate) fn plan_split(&self, family: Family, cfg: TileConfig, p: Problem) -> Result<split::SplitPlan> {
-        let slots = self.slots(family, cfg)?;
-        let m_tiles = p.t.div_ceil(cfg.bm as usize) as u32;
-        let n_tiles = p.v.div_ceil(cfg.bn as usize) as u32;
-        let ov = Overrides::get();
-        // The Hopper forward reads the raster order; its plan keeps resident rows of `h` in L2.
-        let plan = if cfg.is_sm90() && self.gpu.info().l2_bytes > 0 && !ov.fwd_l2_off {
-            split::plan_l2(m_tiles, n_tiles, slots, split::L2Model::of(cfg.bm.into(), p.d as u64, self.gpu.info().l2_bytes))
-        } else {
-            split::plan(m_tiles, n_tiles, slots)
-        };
-        Ok(ov.fwd.apply(plan, n_tiles))
+        Ok(crate::plan::fwd(&self.gpu, self.slots(family, cfg)?, cfg, p))
     }
 
     /// Choose the forward config (tuning on first use of a key when `choice` is `Auto`). Trials

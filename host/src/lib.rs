@@ -21,7 +21,7 @@ pub mod device;
 pub mod error;
 pub mod fwd;
 pub mod launch;
-mod overrides;
+mod plan;
 pub mod ptx;
 pub mod testing;
 pub mod tp;

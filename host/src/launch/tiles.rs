@@ -6,13 +6,11 @@ use std::sync::Arc;
 use cudarc::driver::CudaStream;
 use lmhead_core::config::{kernel_name, Family, TileConfig};
 use lmhead_core::params::{GemmParams, LogitsParams};
-use lmhead_core::split;
 
 use super::tmap::{tma_maps_for, TmaOperand};
 use super::{launch, Dev, Labels};
 use crate::device::Gpu;
 use crate::error::{Error, Result};
-use crate::overrides::Overrides;
 
 /// Scalars shared by the logits kernels.
 #[derive(Clone, Copy, Debug)]
@@ -101,22 +99,6 @@ pub fn fwd_mainloop(
     Ok(n_splits)
 }
 
-/// How a Hopper backward grid of `m_tiles × n_tiles` output tiles (`k`-deep) is walked: the
-/// forward's split planner ([`split::plan_l2`], with A's `BM × k` rows as the resident tile)
-/// gives the consecutive n tiles per block and the raster group. With one tile per block, as
-/// the `cp.async` kernels take them, every tile pays a pipeline fill and an exposed epilogue
-/// (measured on the H200 at t = 8192, d = 4096, chunks of 8192: d-logits ≈ 1.5× and `dh` ≈ 1.3×
-/// the time per FLOP of the whole-vocab cuBLAS GEMM). `LMHEAD_BWD_TILES`
-/// and `LMHEAD_BWD_RASTER` override the plan ([`crate::overrides`]).
-fn bwd_plan(gpu: &Gpu, cfg: TileConfig, m_tiles: u32, n_tiles: u32, k: usize) -> split::SplitPlan {
-    if !cfg.is_sm90() {
-        return split::SplitPlan { tiles_per_split: 1, n_splits: n_tiles, raster_group: 0 };
-    }
-    let info = gpu.info();
-    let l2 = split::L2Model::of(cfg.bm.into(), k as u64, info.l2_bytes);
-    Overrides::get().bwd.apply(split::plan_l2(m_tiles, n_tiles, info.sm_count, l2), n_tiles)
-}
-
 /// Backward d-logits of the chunk `[chunk_begin, chunk_begin + chunk)` of the local vocab into
 /// `staging [t][stride]`.
 #[allow(clippy::too_many_arguments)]
@@ -169,7 +151,7 @@ pub fn bwd_dlogits(
     };
     sc.fill(&mut p);
     let m_tiles = dims.t.div_ceil(cfg.bm as usize) as u32;
-    let plan = bwd_plan(gpu, cfg, m_tiles, stride.div_ceil(cfg.bn as usize) as u32, dims.d);
+    let plan = crate::plan::bwd(gpu, cfg, m_tiles, stride.div_ceil(cfg.bn as usize) as u32, dims.d);
     (p.tiles_per_split, p.raster_group) = (plan.tiles_per_split, plan.raster_group);
     let grid = (m_tiles, plan.n_splits);
     // The B map ends at the chunk: rows beyond it load as zeros, as the `cp.async` path's bound.
@@ -284,7 +266,7 @@ fn launch_gemm(
     let (maps, tmaps) = tma_maps_for(cfg, stream, &[a_map, b_map])?;
     p.tmaps = tmaps;
     let m_tiles = m.div_ceil(cfg.bm as usize) as u32;
-    let plan = bwd_plan(gpu, cfg, m_tiles, n.div_ceil(cfg.bn as usize) as u32, k);
+    let plan = crate::plan::bwd(gpu, cfg, m_tiles, n.div_ceil(cfg.bn as usize) as u32, k);
     (p.tiles_per_block, p.raster_group) = (plan.tiles_per_split, plan.raster_group);
     let grid = (m_tiles, plan.n_splits);
     launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;

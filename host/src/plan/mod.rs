@@ -1,0 +1,44 @@
+//! Launch plans: how the forward's `(token tiles) × (vocab splits)` grid and the sm90 backward
+//! kernels' `(m tiles) × (n groups)` grids are cut and ordered (`lmhead_core::split` does the
+//! arithmetic), and the measurement overrides of both ([`overrides`]).
+
+pub(crate) mod overrides;
+
+use lmhead_core::config::TileConfig;
+use lmhead_core::split;
+use lmhead_core::Problem;
+
+use crate::device::Gpu;
+use overrides::Overrides;
+
+/// The forward's vocab split and launch order for `cfg` with `slots` concurrent blocks on the
+/// device, with the overrides `LMHEAD_FWD_L2=0` (no L2 model), `LMHEAD_FWD_SPLITS`,
+/// `LMHEAD_FWD_RASTER`. The sm90 forward reads the raster order; its plan keeps the resident rows
+/// of `h` in L2.
+pub(crate) fn fwd(gpu: &Gpu, slots: u32, cfg: TileConfig, p: Problem) -> split::SplitPlan {
+    let m_tiles = p.t.div_ceil(cfg.bm as usize) as u32;
+    let n_tiles = p.v.div_ceil(cfg.bn as usize) as u32;
+    let ov = Overrides::get();
+    let plan = if cfg.is_sm90() && gpu.info().l2_bytes > 0 && !ov.fwd_l2_off {
+        split::plan_l2(m_tiles, n_tiles, slots, split::L2Model::of(cfg.bm.into(), p.d as u64, gpu.info().l2_bytes))
+    } else {
+        split::plan(m_tiles, n_tiles, slots)
+    };
+    ov.fwd.apply(plan, n_tiles)
+}
+
+/// How an sm90 backward grid of `m_tiles × n_tiles` output tiles (`k`-deep) is walked: the
+/// forward's split planner ([`split::plan_l2`], with A's `BM × k` rows as the resident tile)
+/// gives the consecutive n tiles per block and the raster group. With one tile per block, as
+/// the `mma.sync` kernels take them, every tile pays a pipeline fill and an exposed epilogue
+/// (measured on the H200 at t = 8192, d = 4096, chunks of 8192: d-logits ≈ 1.5× and `dh` ≈ 1.3×
+/// the time per FLOP of the whole-vocab cuBLAS GEMM). `LMHEAD_BWD_TILES` and
+/// `LMHEAD_BWD_RASTER` override the plan.
+pub(crate) fn bwd(gpu: &Gpu, cfg: TileConfig, m_tiles: u32, n_tiles: u32, k: usize) -> split::SplitPlan {
+    if !cfg.is_sm90() {
+        return split::SplitPlan { tiles_per_split: 1, n_splits: n_tiles, raster_group: 0 };
+    }
+    let info = gpu.info();
+    let l2 = split::L2Model::of(cfg.bm.into(), k as u64, info.l2_bytes);
+    Overrides::get().bwd.apply(split::plan_l2(m_tiles, n_tiles, info.sm_count, l2), n_tiles)
+}
