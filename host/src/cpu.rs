@@ -29,11 +29,7 @@ fn bits(x: &[half::bf16]) -> Vec<u16> {
     x.iter().map(|b| b.to_bits()).collect()
 }
 
-fn validate(h: &[half::bf16], w: &[half::bf16], labels: &[i64], p: Problem, temperature: f32, ignore_index: i64) -> Result<()> {
-    validate_shard(h, w, labels, p, Shard::whole(p.v), temperature, ignore_index)
-}
-
-fn validate_shard(
+fn validate(
     h: &[half::bf16],
     w: &[half::bf16],
     labels: &[i64],
@@ -55,11 +51,7 @@ fn validate_shard(
     Ok(())
 }
 
-fn inputs<'a>(h: &'a [u16], w: &'a [u16], labels: &'a [i64], p: Problem, temperature: f32, ignore_index: i64) -> reference::Inputs<'a> {
-    shard_inputs(h, w, labels, p, Shard::whole(p.v), temperature, ignore_index)
-}
-
-fn shard_inputs<'a>(
+fn inputs<'a>(
     h: &'a [u16],
     w: &'a [u16],
     labels: &'a [i64],
@@ -84,9 +76,10 @@ fn shard_inputs<'a>(
 
 /// Forward on the CPU (`entropy`: also return the entropy).
 pub fn forward(h: &[half::bf16], w: &[half::bf16], labels: &[i64], p: Problem, opts: &FwdOptions, entropy: bool) -> Result<CpuFwd> {
-    validate(h, w, labels, p, opts.temperature, opts.ignore_index)?;
+    let shard = Shard::whole(p.v);
+    validate(h, w, labels, p, shard, opts.temperature, opts.ignore_index)?;
     let (hb, wb) = (bits(h), bits(w));
-    let r = reference::forward(&inputs(&hb, &wb, labels, p, opts.temperature, opts.ignore_index));
+    let r = reference::forward(&inputs(&hb, &wb, labels, p, shard, opts.temperature, opts.ignore_index));
     let f = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<_>>();
     Ok(CpuFwd { logprob: f(&r.logprob), lse: f(&r.lse), entropy: entropy.then(|| f(&r.entropy)) })
 }
@@ -104,7 +97,30 @@ pub fn backward(
     grad_entropy: Option<&[f32]>,
     opts: &BwdOptions,
 ) -> Result<(Vec<f32>, Vec<f32>)> {
-    validate(h, w, labels, p, opts.temperature, opts.ignore_index)?;
+    let r = backward_shard(h, w, labels, p, Shard::whole(p.v), lse, entropy, grad_logprob, grad_entropy, opts)?;
+    Ok((to_f32(r.dh), to_f32(r.dw)))
+}
+
+fn to_f32(v: Vec<f64>) -> Vec<f32> {
+    v.into_iter().map(|x| x as f32).collect()
+}
+
+/// The backward over one vocab shard in f64: the shard's `dW` rows and its partial `dh` (the
+/// whole `dh` for the whole vocabulary).
+#[allow(clippy::too_many_arguments)]
+fn backward_shard(
+    h: &[half::bf16],
+    w: &[half::bf16],
+    labels: &[i64],
+    p: Problem,
+    shard: Shard,
+    lse: &[f32],
+    entropy: Option<&[f32]>,
+    grad_logprob: Option<&[f32]>,
+    grad_entropy: Option<&[f32]>,
+    opts: &BwdOptions,
+) -> Result<reference::BwdRef> {
+    validate(h, w, labels, p, shard, opts.temperature, opts.ignore_index)?;
     check_len("lse", lse.len(), p.t)?;
     if grad_entropy.is_some() && entropy.is_none() {
         return Err(Error::Invalid("an entropy gradient needs the entropy saved by the forward".into()));
@@ -115,16 +131,13 @@ pub fn backward(
         }
     }
     let (hb, wb) = (bits(h), bits(w));
-    let inp = inputs(&hb, &wb, labels, p, opts.temperature, opts.ignore_index);
+    let inp = inputs(&hb, &wb, labels, p, shard, opts.temperature, opts.ignore_index);
     let f64s = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<_>>();
     let lse = f64s(lse);
     let ent = entropy.map(f64s).unwrap_or_else(|| vec![0.0; p.t]);
-    let gl = grad_logprob.map(f64s);
-    let ge = grad_entropy.map(f64s);
+    let (gl, ge) = (grad_logprob.map(f64s), grad_entropy.map(f64s));
     let g = reference::Grads { logprob: gl.as_deref(), entropy: ge.as_deref() };
-    let r = reference::backward(&inp, &lse, &ent, &g);
-    let f = |v: Vec<f64>| v.into_iter().map(|x| x as f32).collect::<Vec<_>>();
-    Ok((f(r.dh), f(r.dw)))
+    Ok(reference::backward(&inp, &lse, &ent, &g))
 }
 
 /// An all-reduce over host `f64` buffers, for [`forward_tp`] and [`backward_tp`] (the Python
@@ -150,9 +163,9 @@ pub fn forward_tp(
     opts: &FwdOptions,
     entropy: bool,
 ) -> Result<CpuFwd> {
-    validate_shard(h, w, labels, p, shard, opts.temperature, opts.ignore_index)?;
+    validate(h, w, labels, p, shard, opts.temperature, opts.ignore_index)?;
     let (hb, wb) = (bits(h), bits(w));
-    let parts = reference::fwd::shard_partials(&shard_inputs(&hb, &wb, labels, p, shard, opts.temperature, opts.ignore_index));
+    let parts = reference::fwd::shard_partials(&inputs(&hb, &wb, labels, p, shard, opts.temperature, opts.ignore_index));
     let t = p.t;
     let mut m: Vec<f64> = parts.iter().map(|x| x.state.m).collect();
     comm.all_reduce(&mut m, ReduceOp::Max)?;
@@ -194,27 +207,9 @@ pub fn backward_tp(
     opts: &BwdOptions,
     reduce_dh: bool,
 ) -> Result<(Vec<f32>, Vec<f32>)> {
-    validate_shard(h, w, labels, p, shard, opts.temperature, opts.ignore_index)?;
-    check_len("lse", lse.len(), p.t)?;
-    if grad_entropy.is_some() && entropy.is_none() {
-        return Err(Error::Invalid("an entropy gradient needs the entropy saved by the forward".into()));
-    }
-    for (what, x) in [("entropy", entropy), ("grad_logprob", grad_logprob), ("grad_entropy", grad_entropy)] {
-        if let Some(x) = x {
-            check_len(what, x.len(), p.t)?;
-        }
-    }
-    let (hb, wb) = (bits(h), bits(w));
-    let inp = shard_inputs(&hb, &wb, labels, p, shard, opts.temperature, opts.ignore_index);
-    let f64s = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<_>>();
-    let lse = f64s(lse);
-    let ent = entropy.map(f64s).unwrap_or_else(|| vec![0.0; p.t]);
-    let (gl, ge) = (grad_logprob.map(f64s), grad_entropy.map(f64s));
-    let g = reference::Grads { logprob: gl.as_deref(), entropy: ge.as_deref() };
-    let mut r = reference::backward(&inp, &lse, &ent, &g);
+    let mut r = backward_shard(h, w, labels, p, shard, lse, entropy, grad_logprob, grad_entropy, opts)?;
     if reduce_dh {
         comm.all_reduce(&mut r.dh, ReduceOp::Sum)?;
     }
-    let f = |v: Vec<f64>| v.into_iter().map(|x| x as f32).collect::<Vec<_>>();
-    Ok((f(r.dh), f(r.dw)))
+    Ok((to_f32(r.dh), to_f32(r.dw)))
 }
