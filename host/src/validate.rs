@@ -31,8 +31,9 @@ impl Buf {
         Self { what, ptr, len, elem }
     }
 
-    /// Exactly `n` elements, the address a multiple of `align` bytes.
-    fn exact(&self, n: usize, align: usize) -> Result<()> {
+    /// Exactly `n` elements, the address a multiple of `align` bytes (also the check of
+    /// `launch::Dev::check_exact` next to each launch).
+    pub(crate) fn exact(&self, n: usize, align: usize) -> Result<()> {
         if self.len != n {
             return Err(Error::Length { what: self.what, expected: n, got: self.len });
         }
