@@ -167,8 +167,9 @@ impl LmHead {
             launch::fwd_mainloop(&self.gpu, stream, entropy.is_some(), cfg, plan, dims, sc, &h, &w, &labels, &pd)?
         };
         let (src, partials, status, row_state) = (&mut ws.src, &mut ws.partials, &mut ws.status, &mut ws.row_state);
+        // The merge still flags bad labels in this word; nothing reads it any more (the label
+        // check runs before the forward and sets its own words), so it is not cleared.
         let status = status.get(src, stream, 1)?;
-        stream.memset_zeros(status).during(|| "clearing the status word".into())?;
         let partials = partials.get(src, stream, n_splits as usize * p.t)?;
         let pd = dev_in(&*partials, stream, "partials")?;
         let vals = (shard.v_total as i64, shard.v_begin as i64, opts.ignore_index);
