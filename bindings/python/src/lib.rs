@@ -371,6 +371,20 @@ fn gpu_backward(
     finish(py, r)
 }
 
+/// Wall-clock seconds of each of `reps` runs of `call` on the raw stream `stream`, each followed
+/// by a stream synchronisation.
+fn time_reps(hd: &LmHead, stream: u64, reps: usize, call: impl Fn(&Arc<CudaStream>) -> lmhead::Result<()>) -> lmhead::Result<Vec<f64>> {
+    let s = stream_of(hd, stream);
+    let mut out = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        call(&s)?;
+        s.synchronize().map_err(|source| lmhead::Error::Driver { during: "timing".into(), source })?;
+        out.push(t0.elapsed().as_secs_f64());
+    }
+    Ok(out)
+}
+
 /// Wall-clock seconds of each of `reps` raw library forwards on the given buffers (each
 /// followed by a stream synchronisation): the benchmark's baseline for the binding's overhead.
 #[pyfunction]
@@ -397,17 +411,7 @@ fn time_forward(
     let hd = head(py, ordinal)?;
     let opts = FwdOptions { temperature, ignore_index, ..FwdOptions::default() };
     let a = FwdArgs { h, w, labels, label_i64, p: Problem::new(t, v, d), logprob, lse, entropy, opts, shard: Shard::whole(v) };
-    let r = py.detach(|| {
-        let s = stream_of(&hd, stream);
-        let mut out = Vec::with_capacity(reps);
-        for _ in 0..reps {
-            let t0 = Instant::now();
-            forward_dispatch(&hd, &s, &a, None)?;
-            s.synchronize().map_err(|source| lmhead::Error::Driver { during: "timing".into(), source })?;
-            out.push(t0.elapsed().as_secs_f64());
-        }
-        Ok(out)
-    });
+    let r = py.detach(|| time_reps(&hd, stream, reps, |s| forward_dispatch(&hd, s, &a, None)));
     finish(py, r)
 }
 
@@ -457,17 +461,7 @@ fn time_backward(
         shard: Shard::whole(v),
         reduce: 0,
     };
-    let r = py.detach(|| {
-        let s = stream_of(&hd, stream);
-        let mut out = Vec::with_capacity(reps);
-        for _ in 0..reps {
-            let t0 = Instant::now();
-            backward_dispatch(&hd, &s, &a, None)?;
-            s.synchronize().map_err(|source| lmhead::Error::Driver { during: "timing".into(), source })?;
-            out.push(t0.elapsed().as_secs_f64());
-        }
-        Ok(out)
-    });
+    let r = py.detach(|| time_reps(&hd, stream, reps, |s| backward_dispatch(&hd, s, &a, None)));
     finish(py, r)
 }
 
