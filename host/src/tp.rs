@@ -36,8 +36,9 @@
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
+use cudarc::driver::CudaStream;
 
+use crate::borrowed::Borrowed;
 use crate::error::{Context as _, Error, Result};
 use crate::launch::Dev;
 
@@ -105,41 +106,15 @@ pub trait Communicator: Send + Sync {
     fn all_reduce(&self, stream: &Arc<CudaStream>, buf: &Dev, op: ReduceOp) -> Result<()>;
 }
 
-/// A raw f32 device range (from a checked [`Dev`]) that cudarc's copy and NCCL calls accept.
-struct RawF32<'a> {
-    ptr: u64,
-    len: usize,
-    stream: &'a Arc<CudaStream>,
-}
-
-impl DeviceSlice<f32> for RawF32<'_> {
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn stream(&self) -> &Arc<CudaStream> {
-        self.stream
-    }
-}
-
-impl DevicePtr<f32> for RawF32<'_> {
-    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
-        // Ordering is by stream: the range belongs to a buffer whose own guard (held by the
-        // caller's `Dev`) already ordered it on the caller's stream; the communicators join
-        // their streams with it explicitly. `Sync(None)` does nothing on drop.
-        let _ = stream;
-        (self.ptr, SyncOnDrop::Sync(None))
-    }
-}
-
-impl DevicePtrMut<f32> for RawF32<'_> {
-    fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
-        let _ = stream;
-        (self.ptr, SyncOnDrop::Sync(None))
-    }
-}
-
-fn raw<'a>(buf: &Dev, stream: &'a Arc<CudaStream>) -> RawF32<'a> {
-    RawF32 { ptr: buf.ptr, len: buf.len, stream }
+/// A checked [`Dev`] range as a [`Borrowed`] buffer, which cudarc's copy and NCCL calls accept.
+/// Ordering is by stream: the range belongs to a buffer whose own guard (held by the caller's
+/// `Dev`) already ordered it on the caller's stream; the communicators join their streams with it
+/// explicitly.
+fn raw(buf: &Dev, stream: &Arc<CudaStream>) -> Borrowed<f32> {
+    // SAFETY: `buf` is a checked range of `buf.len` f32 of a live buffer in `stream`'s context,
+    // kept alive (and ordered on the caller's stream) by the `Dev` for the length of the
+    // all-reduce that uses this view.
+    unsafe { Borrowed::new(buf.ptr, buf.len, stream) }
 }
 
 /// Shared state of a [`LocalComm`] group.
