@@ -10,18 +10,20 @@ queued work.
 
 fp32 / fp16 operands
 --------------------
-The kernels multiply bf16. An fp32 (or fp16) operand ``x`` is split exactly-ish into
-``x_hi = bf16(x)`` and ``x_lo = bf16(x - x_hi)`` (fp16: exactly; fp32: up to ~2^-17 relative),
-and the logits are formed as ``h_hi·W_hiᵀ + h_hi·W_loᵀ + h_lo·W_hiᵀ`` (the products that
-involve a split operand only) by concatenating the parts along the hidden dimension: one call
-with hidden size ``k·H`` (k = 2 or 3). Gradients come back per part in f32 and are summed.
-The backward stages its d-logits in bf16 (relative error 2^-9 per element); for rows whose
-label has probability < 1/2 the label's one-hot term ``g·W[label]/T`` (and its ``dW`` row) is
-added here in fp32 instead, and the kernel sees a label that matches no vocabulary row (a
-"phantom" label ``v_total``, with the vocabulary declared one row larger). Then every staged
-d-logit is ``-g·p`` and its rounding error scales with ``p``, which keeps fp32 gradients within
-~1e-5 of float64 where probabilities are spread; rows whose label dominates keep the one-hot in
-the kernel (there ``1 - p`` is small and bf16 staging is relatively accurate).
+The kernels multiply bf16. The forward splits an fp32 (or fp16) operand ``x`` into
+``x_hi = bf16(x)`` and ``x_lo = bf16(x - x_hi)`` (fp16: exactly; fp32: up to ~2^-17 relative)
+and forms the logits as ``h_hi·W_hiᵀ + h_hi·W_loᵀ + h_lo·W_hiᵀ`` (the products that involve a
+split operand only) by concatenating the parts along the hidden dimension: one fused call with
+hidden size ``k·H`` (k = 2 or 3), log-probs within ~1e-6 of float64.
+
+The fused backward stages its d-logits in bf16 (2^-9 relative per element), which is right for
+bf16 training and too coarse for fp32 expectations (SkyRL's and verl's fp32 tests hold
+gradients to 1e-4), and the split itself (2^-17) is too coarse for the one-hot term of ``dW``.
+So the backward of fp32/fp16 operands is *not fused*: it runs in fp32 torch over vocabulary
+chunks (``_backward_chunked``; memory ``t × chunk`` floats, the matmuls at torch's fp32 matmul
+precision, so TF32 only if the caller enabled it), on the GPU and on CPU tensors alike, using
+the forward's log-sum-exp and entropy. fp32 is an accuracy mode; bf16 is the fast path (and on
+CPU tensors bf16 runs the float64 backend both ways).
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ from . import _native
 _BF16 = torch.bfloat16
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _LABEL_DTYPES = (torch.int64, torch.int32)
-# The phantom rule: rows whose label has probability below this use the fp32 one-hot.
-_PHANTOM_BELOW = 0.5
+# fp32 backward on the GPU: vocabulary rows per chunk so that a chunk's logits stay near this
+# many floats.
+_CHUNK_FLOATS = 1 << 26
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,18 +266,6 @@ def _operands(h: torch.Tensor, w: torch.Tensor) -> Tuple[torch.Tensor, torch.Ten
     return hcat, wcat, segs
 
 
-def _recombine(g: torch.Tensor, d: int, segs: Segments, which: int) -> torch.Tensor:
-    """Sum the parts of a gradient ``[n, k·d]`` whose ``which`` operand (0: hidden, 1: weight) is
-    the high part: ``dh = Σ_{h part = hi}`` (that is dl·(W_hi + W_lo)), ``dW`` likewise."""
-    out = None
-    for i, pair in enumerate(segs):
-        if pair[which] != "hi":
-            continue
-        part = g[:, i * d : (i + 1) * d]
-        out = part.clone() if out is None else out.add_(part)
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # The call configuration
 # ---------------------------------------------------------------------------------------------
@@ -290,8 +281,6 @@ class _Cfg:
     reduce_dh: bool
     # SkyRL: labels outside [0, v_total) give log-prob 0 and d-logits -p (no one-hot).
     oov_zero: bool = False
-    # fp32 operands: the fp32 one-hot rule of the module docs (off: every row in the kernel).
-    fp32_onehot: bool = True
 
 
 def _v_total(cfg: _Cfg, v: int) -> int:
@@ -369,41 +358,34 @@ def _forward(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, cfg: _Cfg):
     return lp, lse, ent
 
 
-def _backward(h, w, labels, lp, lse, ent, g_lp, g_ent, need_dw: bool, cfg: _Cfg):
-    """``(dh in h.dtype, dW in w.dtype or None)`` for 2-D ``h``, ``w``."""
+def _backward(h, w, labels, lse, ent, g_lp, g_ent, need_dw: bool, cfg: _Cfg):
+    """``(dh in h.dtype, dW in w.dtype or None)`` for 2-D ``h``, ``w``: the native backward for
+    bf16 operands, ``_backward_chunked`` for fp32/fp16 ones."""
     t, d = h.shape
     v = w.shape[0]
     dev = h.device
     if t == 0:
         return torch.zeros_like(h), (torch.zeros_like(w) if need_dw else None)
-    hb, wb, segs = _operands(h, w)
-    k = 1 if segs is None else len(segs)
+    if h.dtype != _BF16 or w.dtype != _BF16:
+        return _backward_chunked(h, w, labels, lse, ent, g_lp, g_ent, need_dw, cfg)
     v_begin, v_total = _v_begin(cfg), _v_total(cfg, v)
-    phantom = v_total  # a label no rank's rows match
     labels_b, v_total_b = labels, v_total
-    valid = (labels >= 0) & (labels < v_total)
     if cfg.oov_zero:
-        labels_b = torch.where(valid, labels, torch.full_like(labels, phantom))
+        # A target no rank owns keeps its -p terms but no one-hot: the kernel sees a label that
+        # matches no row (v_total, with the vocabulary declared one row larger).
+        valid = (labels >= 0) & (labels < v_total)
+        labels_b = torch.where(valid, labels, torch.full_like(labels, v_total))
         v_total_b = v_total + 1
-    onehot_rows = None
-    if segs is not None and cfg.fp32_onehot and g_lp is not None:
-        rows = valid & (labels != cfg.ignore_index) & (lp.exp() < _PHANTOM_BELOW)
-        if bool(rows.any()):
-            onehot_rows = rows
-            labels_b = torch.where(rows, torch.full_like(labels_b, phantom), labels_b)
-            v_total_b = v_total + 1
-    # Reduction of dh under TP: in the library, unless the fp32 one-hot is added here first.
     tp = cfg.tp
-    reduce_here = tp is not None and cfg.reduce_dh and onehot_rows is not None
-    native_reduce = tp is not None and cfg.reduce_dh and not reduce_here
-    f32_grads = segs is not None or dev.type == "cpu"
-    dh_buf = torch.empty((t, k * d), dtype=torch.float32 if f32_grads else _BF16, device=dev)
-    dw_buf = torch.empty((v, k * d), dtype=torch.float32 if f32_grads else _BF16, device=dev) if need_dw else None
+    native_reduce = tp is not None and cfg.reduce_dh
+    f32_grads = dev.type == "cpu"
+    dh = torch.empty((t, d), dtype=torch.float32 if f32_grads else _BF16, device=dev)
+    dw = torch.empty((v, d), dtype=torch.float32 if f32_grads else _BF16, device=dev) if need_dw else None
     gl = g_lp.float().contiguous() if g_lp is not None else None
     ge = g_ent.float().contiguous() if (g_ent is not None and ent is not None) else None
     opt = _ptr
     if dev.type == "cuda":
-        # 0: single device; 1: TP, dh all-reduced; 2: TP (or a phantom vocabulary), partial dh.
+        # 0: single device; 1: TP, dh all-reduced; 2: TP (or a widened vocabulary), partial dh.
         if tp is None:
             reduce = 0 if v_total_b == v else 2
         else:
@@ -414,7 +396,7 @@ def _backward(h, w, labels, lp, lse, ent, g_lp, g_ent, need_dw: bool, cfg: _Cfg)
             comm = tp.cuda_comm(dev) if tp is not None else None
             with _ScratchScope(scratch):
                 args = _gpu_backward_args(
-                    dev.index, stream, hb, wb, labels_b, k * d, lse, ent if ge is not None else None, gl, ge, dh_buf, dw_buf, f32_grads,
+                    dev.index, stream, h, w, labels_b, d, lse, ent if ge is not None else None, gl, ge, dh, dw, f32_grads,
                     (cfg.temperature, cfg.ignore_index, v_begin, v_total_b), reduce, comm,
                 )  # fmt: skip
                 _call(_native.gpu_backward, *args)
@@ -423,18 +405,18 @@ def _backward(h, w, labels, lp, lse, ent, g_lp, g_ent, need_dw: bool, cfg: _Cfg)
         comm = tp.host_comm() if tp is not None else None
         _call(
             _native.cpu_backward,
-            hb.view(torch.int16).data_ptr(),
-            wb.view(torch.int16).data_ptr(),
+            h.view(torch.int16).data_ptr(),
+            w.view(torch.int16).data_ptr(),
             lab64.data_ptr(),
             t,
             v,
-            k * d,
+            d,
             lse.data_ptr(),
             opt(ent if ge is not None else None),
             opt(gl),
             opt(ge),
-            dh_buf.data_ptr(),
-            opt(dw_buf),
+            dh.data_ptr(),
+            opt(dw),
             cfg.temperature,
             cfg.ignore_index,
             v_begin,
@@ -442,26 +424,60 @@ def _backward(h, w, labels, lp, lse, ent, g_lp, g_ent, need_dw: bool, cfg: _Cfg)
             native_reduce,
             comm,
         )
-    if segs is not None:
-        dh = _recombine(dh_buf, d, segs, 0)
-        dw = _recombine(dw_buf, d, segs, 1) if need_dw else None
+    return dh.to(h.dtype), (dw.to(w.dtype) if dw is not None else None)
+
+
+def _backward_chunked(h, w, labels, lse, ent, g_lp, g_ent, need_dw: bool, cfg: _Cfg, chunk: Optional[int] = None):
+    """The backward in fp32 torch over vocabulary chunks (fp32/fp16 operands on the GPU; any
+    device works, tests run it on CPU tensors). Same maths as the kernels and the reference
+    (``crates/lmhead-reference/src/bwd.rs``): with ``z = h·wᵀ/T`` and ``p = e^{z − lse}``,
+
+        dlogits = (1/T)·[g_ℓ (onehot − p) − g_H p (z − (lse − H))],
+
+    rows labelled ``ignore_index`` get 0 (SkyRL's ``oov_zero``: a target no rank owns keeps the
+    ``−p`` terms, without a one-hot). ``lse`` and ``ent`` are the forward's (global under TP), so
+    under TP ``dh`` is this rank's partial sum until the all-reduce."""
+    t, d = h.shape
+    v = w.shape[0]
+    dev = h.device
+    inv_t = 1.0 / cfg.temperature
+    v_begin = _v_begin(cfg)
+    lab = labels.to(torch.int64)
+    if cfg.oov_zero:
+        live = torch.ones(t, dtype=torch.bool, device=dev)
     else:
-        dh, dw = dh_buf, dw_buf
-    if onehot_rows is not None:
-        # The label's one-hot term in fp32, by the rank that holds the label's row.
-        rows = onehot_rows & (labels >= v_begin) & (labels < v_begin + v)
-        idx = rows.nonzero().squeeze(1)
-        if idx.numel() > 0:
-            coef = (gl[idx] / cfg.temperature).unsqueeze(1)
-            loc = labels[idx].to(torch.int64) - v_begin
-            dh.index_add_(0, idx, coef * w.index_select(0, loc).float())
-            if need_dw:
-                dw.index_add_(0, loc, coef * h.index_select(0, idx).float())
-    if reduce_here:
-        _dist().all_reduce(dh, op=_dist().ReduceOp.SUM, group=tp.group)
-    dh = dh.to(h.dtype)
-    dw = dw.to(w.dtype) if dw is not None else None
-    return dh, dw
+        live = lab != cfg.ignore_index
+    local = lab - v_begin
+    gl = torch.where(live, g_lp.float(), 0.0) if g_lp is not None else None
+    ge = torch.where(live, g_ent.float(), 0.0) if (g_ent is not None and ent is not None) else None
+    mu = (lse - ent).unsqueeze(1) if ge is not None else None
+    lse_col = lse.unsqueeze(1)
+    h32 = h.float()
+    w32 = w.float()
+    dh = torch.zeros((t, d), dtype=torch.float32, device=dev)
+    dw = torch.empty((v, d), dtype=torch.float32, device=dev) if need_dw else None
+    if chunk is None:
+        chunk = max(1, min(v, _CHUNK_FLOATS // max(1, t)))
+    for c0 in range(0, v, chunk):
+        c1 = min(v, c0 + chunk)
+        wc = w32[c0:c1]
+        z = torch.mm(h32, wc.t()).mul_(inv_t)
+        p = torch.exp(z - lse_col)
+        dl = torch.zeros_like(z)
+        if ge is not None:
+            dl.sub_(p * (z - mu) * ge.unsqueeze(1))
+        if gl is not None:
+            dl.sub_(p * gl.unsqueeze(1))
+            # (A target no rank owns has no local column in any chunk.)
+            rows = (live & (local >= c0) & (local < c1)).nonzero().squeeze(1)
+            dl[rows, local[rows] - c0] += gl[rows]
+        dl.mul_(inv_t)
+        dh.addmm_(dl, wc)
+        if dw is not None:
+            torch.mm(dl.t(), h32, out=dw[c0:c1])
+    if cfg.tp is not None and cfg.reduce_dh:
+        _dist().all_reduce(dh, op=_dist().ReduceOp.SUM, group=cfg.tp.group)
+    return dh.to(h.dtype), (dw.to(w.dtype) if dw is not None else None)
 
 
 class _LmHeadFn(torch.autograd.Function):
@@ -473,24 +489,22 @@ class _LmHeadFn(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.cfg = cfg
         ctx.save_for_backward(h, w, labels)
-        # Copies of what the backward reads from the outputs ([t] floats each), so that callers
-        # may modify the returned tensors in place: the entropy, and the log-prob for the fp32
-        # one-hot rule.
+        # A copy of the entropy (the backward reads it), so that callers may modify the returned
+        # tensors in place.
         ctx.lse = lse
         ctx.ent = ent.clone() if ent is not None else None
-        ctx.lp = lp.clone() if (h.dtype != _BF16 or w.dtype != _BF16) else None
         return lp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         h, w, labels = ctx.saved_tensors
-        lp, lse, ent = ctx.lp, ctx.lse, ctx.ent
+        lse, ent = ctx.lse, ctx.ent
         need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if g_ent is not None and ent is None:
             g_ent = None
         if (g_lp is None and g_ent is None) or not (need_dh or need_dw):
             return None, None, None, None
-        dh, dw = _backward(h, w, labels, lp, lse, ent, g_lp, g_ent, need_dw, ctx.cfg)
+        dh, dw = _backward(h, w, labels, lse, ent, g_lp, g_ent, need_dw, ctx.cfg)
         return (dh if need_dh else None), dw, None, None
 
 

@@ -187,25 +187,58 @@ def test_fp32_without_split_would_be_wrong():
     close(lp, r.logprob, 0.0, 1e-4, "logprob")
 
 
-def test_fp32_onehot_rule_peaked_and_diffuse_rows():
-    """Rows whose label dominates (p > 1/2: one-hot in the library) and rows where it does not
-    (one-hot added in fp32 here) both give the float64 gradient."""
+@pytest.mark.parametrize("chunk", [None, 7])
+@pytest.mark.parametrize("temperature,grads", [(1.0, "both"), (0.7, "lp"), (1.3, "ent")])
+def test_fp32_chunked_backward_matches_float64(chunk, temperature, grads):
+    """The GPU's backward for fp32/fp16 operands (fp32 torch over vocabulary chunks, see the
+    module docs) on CPU tensors: peaked rows (the label dominates), diffuse rows, ignored rows,
+    either upstream gradient, temperature, a chunk width that does not divide V, held to the
+    fp32 tolerance of SkyRL's tests (1e-4)."""
     t, v, d = 24, 64, 32
     g = torch.Generator().manual_seed(9)
     w = torch.randn(v, d, generator=g) * d**-0.5
     labels = torch.randint(0, v, (t,), generator=g)
     h = torch.randn(t, d, generator=g) * 0.3
     h[: t // 2] += 12.0 * w[labels[: t // 2]]  # peaked rows: the label's logit (~12) dominates
-    h.requires_grad_(True)
-    w.requires_grad_(True)
-    lp, _ = L.fused_linear_logprob(h, w, labels)
-    assert bool((lp[: t // 2].exp() > 0.5).all()) and bool((lp[t // 2 :].exp() < 0.5).all())
-    gl = torch.randn(t, generator=g)
-    lp.backward(gl)
-    r = reference(h, w, labels, g_lp=gl, rss=True)
-    assert rel_l2(h.grad, r.dh, r.rss_dh) <= 5e-5 and rel_l2(w.grad, r.dw, r.rss_dw) <= 5e-5
-    close(h.grad, r.dh, 1e-3, 1e-4, "dh")
-    close(w.grad, r.dw, 1e-3, 1e-4, "dW")
+    labels[3] = IGNORE
+    labels[20] = IGNORE
+    g_lp = torch.randn(t, generator=g) if grads in ("both", "lp") else None
+    g_ent = torch.randn(t, generator=g) if grads in ("both", "ent") else None
+    r = reference(h, w, labels, temperature=temperature, g_lp=g_lp, g_ent=g_ent)
+    cfg = _core._Cfg(temperature=temperature, ignore_index=IGNORE, entropy=True, tp=None, reduce_dh=True)
+    lse, ent = r.lse.float(), r.entropy.float()
+    dh, dw = _core._backward_chunked(h, w, labels, lse, ent, g_lp, g_ent, True, cfg, chunk=chunk)
+    assert dh.dtype == torch.float32 and dw.dtype == torch.float32
+    close(dh, r.dh, 1e-4, 1e-4, "dh")
+    close(dw, r.dw, 1e-4, 1e-4, "dW")
+    assert float(dh[3].abs().max()) == 0.0 and float(dh[20].abs().max()) == 0.0
+    # Without dW: none computed.
+    dh2, dw2 = _core._backward_chunked(h, w, labels, lse, ent, g_lp, g_ent, False, cfg, chunk=chunk)
+    assert dw2 is None and torch.equal(dh2, dh)
+
+
+def test_fp32_chunked_backward_oov_targets_keep_minus_p():
+    """SkyRL's semantics in the chunked backward: a target no rank owns has log-prob 0 and
+    d-logits ``−p`` (no one-hot); a shard's ``v_begin`` offsets the labels."""
+    t, v, d = 10, 40, 16
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(t, d, generator=g)
+    w = torch.randn(v, d, generator=g) * d**-0.5
+    labels = torch.randint(0, v, (t,), generator=g)
+    labels[2] = -100
+    labels[5] = v + 3
+    g_lp = torch.randn(t, generator=g)
+    z = (h.double() @ w.double().T)
+    lse = torch.logsumexp(z, -1)
+    p = (z - lse[:, None]).exp()
+    onehot = torch.zeros_like(p)
+    ok = (labels >= 0) & (labels < v)
+    onehot[ok.nonzero().squeeze(1), labels[ok]] = 1.0
+    dl = g_lp.double()[:, None] * (onehot - p)
+    cfg = _core._Cfg(temperature=1.0, ignore_index=-1, entropy=False, tp=None, reduce_dh=False, oov_zero=True)
+    dh, dw = _core._backward_chunked(h, w, labels, lse.float(), None, g_lp, None, True, cfg, chunk=16)
+    close(dh, dl @ w.double(), 1e-4, 1e-4, "dh")
+    close(dw, dl.T @ h.double(), 1e-4, 1e-4, "dW")
 
 
 def test_outputs_may_be_modified_in_place():

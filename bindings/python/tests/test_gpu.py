@@ -9,10 +9,10 @@ derivations they reuse; see refs.py):
 - ``d hidden``, ``d weight`` in bf16: ``‖Δ‖ ≤ 6e-3·max(‖ref‖, ‖rss‖)`` (d-logits staged in bf16,
   relative ≤ 2⁻⁸ per term, and the output rounded once more); ignored rows exactly 0;
 - fp32 operands (hi+lo split, hidden size 2H or 3H for the kernels): the forward bounds at that
-  hidden size plus ``2⁻¹⁵·max Σ|h_i·w_i|`` for the split; gradients ``4e-4`` relative L2 — the
-  fp32 one-hot rule (lmhead_torch/_core.py) leaves only ``-g·p`` terms staged in bf16, whose
-  rounding is ~1.1e-3·sqrt(Σp²) of the rss (≤ 1e-4 with spread-out probabilities), where staging
-  everything would give ~1.1e-3.
+  hidden size plus ``2⁻¹⁵·max Σ|h_i·w_i|`` for the split; fp32 gradients ``2e-5`` relative L2
+  (the backward of fp32 operands runs in fp32 torch over vocabulary chunks, see
+  lmhead_torch/_core.py: fp32 accumulation over ``t`` or ``V`` terms, ~1e-6; TF32 off, torch's
+  default); a bf16 gradient of a mixed call the bf16 bound.
 """
 
 import os
@@ -248,7 +248,7 @@ def test_fp32_operands():
     r = reference(h, w, labels, 1.0, g_lp=g_lp, g_ent=g_ent, rss=True)
     split = float(2.0**-15 * (h.abs().double() @ w.abs().double().T).max())
     check_forward_gpu(lp, ent, r, 3 * d, "fp32", slack=split)
-    _check_grads(dh, dw, r, lim=4e-4, what="fp32")
+    _check_grads(dh, dw, r, lim=2e-5, what="fp32")
 
 
 def test_mixed_bf16_hidden_fp32_weight():
@@ -262,7 +262,7 @@ def test_mixed_bf16_hidden_fp32_weight():
     split = float(2.0**-15 * (h.abs().double() @ w.abs().double().T).max())
     check_forward_gpu(lp, ent, r, 2 * d, "bf16 x fp32", slack=split)
     assert rel_l2(dh, r.dh, r.rss_dh) <= BF16_REL_L2
-    assert rel_l2(dw, r.dw, r.rss_dw) <= 4e-4
+    assert rel_l2(dw, r.dw, r.rss_dw) <= 2e-5
 
 
 def test_bad_inputs_on_gpu():
