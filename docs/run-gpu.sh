@@ -2,7 +2,7 @@
 # Runs on the GPU machine (no Rust there): the bundled test and bench binaries from `.gpu/`
 # (built by `cargo xtask gpu-bundle`). Usage, from the repository root on that machine:
 #
-#   bash .gpu/run-gpu.sh [steps...]     steps: info tests quick sweep probe entropy tp sanitize sass (default: info tests quick)
+#   bash .gpu/run-gpu.sh [steps...]     steps: info tests quick sweep probe entropy tp tune-table sanitize sass (default: info tests quick)
 #
 # Logs go to $OUT (or ./gpu-out when OUT is unset). Each step has a time limit so that one hung
 # step cannot eat the whole session. Set FILTER to pass a test-name filter to the test binaries,
@@ -34,11 +34,11 @@ for s in "${steps[@]}"; do
         grep -hE "^\[.*\] (fwd|bwd|tp|rel) " "$OUT/test.tmp" >> "$OUT/records.txt"
         rm -f "$OUT/test.tmp"
       done ;;
-    quick|sweep|entropy|probe|tp)
+    quick|sweep|entropy|probe|tp|tune-table)
       echo "== bench $s"
-      # tp records are another kind (`tp_row`): their own file.
-      res="$OUT/bench.jsonl"; [ "$s" = tp ] && res="$OUT/bench-tp.jsonl"
-      timeout 500 "$B/lmhead-bench" "$s" --out "$res" ${BUDGET:+--budget-s $BUDGET} ${BENCH_ARGS:-} 2>>"$OUT/bench.err" | tee -a "$OUT/bench-$s.md"
+      # tp and tune-table records are other kinds: their own files.
+      res="$OUT/bench.jsonl"; [ "$s" = tp ] && res="$OUT/bench-tp.jsonl"; [ "$s" = tune-table ] && res="$OUT/tune-table.jsonl"
+      timeout ${BENCH_TIMEOUT:-500} "$B/lmhead-bench" "$s" --out "$res" ${BUDGET:+--budget-s $BUDGET} ${BENCH_ARGS:-} 2>>"$OUT/bench.err" | tee -a "$OUT/bench-$s.md"
       tail -3 "$OUT/bench.err" ;;
     sanitize)
       for tool in memcheck racecheck initcheck synccheck; do

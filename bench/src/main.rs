@@ -2,10 +2,13 @@
 //! the same run. Prints a markdown table, appends JSON lines to a results file.
 //!
 //! ```text
-//! lmhead-bench [quick|sweep|probe|entropy|tp] [--filter SUBSTR] [--budget-s N] [--reps N]
-//!              [--out results.jsonl] [--fallback] [--no-check] [--skip N]
-//!              [--bwd-chunk N] [--check-labels]
+//! lmhead-bench [quick|sweep|probe|entropy|tp|tune-table] [--filter SUBSTR] [--budget-s N]
+//!              [--reps N] [--out results.jsonl] [--fallback] [--no-check] [--skip N]
+//!              [--bwd-chunk N] [--check-labels] [--resume FILE]
 //! ```
+//!
+//! `tune-table` tunes exhaustively (whatever `LMHEAD_TUNE` says) at every sweep shape not in
+//! the `--resume` files and records every candidate (see `table.rs`).
 //!
 //! `--check-labels` times the forwards with `FwdOptions::check_labels` on (the label check
 //! kernel and its synchronous 8-byte read before each forward); by default it is off, so the
@@ -22,6 +25,7 @@
 
 mod cublas;
 mod suites;
+mod table;
 mod tp;
 
 use std::io::Write as _;
@@ -53,6 +57,8 @@ pub struct Args {
     pub bwd_chunk: Option<usize>,
     /// Time the forwards with the label check on.
     pub check_labels: bool,
+    /// `tune-table`: result files of earlier runs whose shapes are skipped.
+    pub resume: Vec<String>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -67,6 +73,7 @@ fn parse_args() -> Result<Args, String> {
         skip: 0,
         bwd_chunk: None,
         check_labels: false,
+        resume: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(x) = it.next() {
@@ -81,6 +88,7 @@ fn parse_args() -> Result<Args, String> {
             "--bwd-chunk" => {
                 a.bwd_chunk = Some(it.next().ok_or("--bwd-chunk needs a value")?.parse().map_err(|e| format!("--bwd-chunk: {e}"))?)
             }
+            "--resume" => a.resume.push(it.next().ok_or("--resume needs a file")?),
             "--skip" => a.skip = it.next().ok_or("--skip needs a value")?.parse().map_err(|e| format!("--skip: {e}"))?,
             "-h" | "--help" => return Err(String::new()),
             s if !s.starts_with('-') => a.suite = s.to_string(),
@@ -284,10 +292,14 @@ fn main() {
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback] [--no-check] [--skip N] [--bwd-chunk N] [--check-labels]");
+            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp|tune-table] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback] [--no-check] [--skip N] [--bwd-chunk N] [--check-labels] [--resume FILE]");
             std::process::exit(2);
         }
     };
+    if args.suite == "tune-table" {
+        // Read by LmHead::new: the table's records are exhaustive tunings, never table picks.
+        std::env::set_var("LMHEAD_TUNE", "exhaustive");
+    }
     if !lmhead::driver_present() {
         eprintln!("lmhead-bench: no CUDA driver on this machine; the benchmark needs an H100/H200 (see docs/PERFORMANCE.md)");
         std::process::exit(1);
@@ -309,6 +321,10 @@ fn main() {
     }
     if args.suite == "tp" {
         tp::run(&args, &info.name, &commit());
+        return;
+    }
+    if args.suite == "tune-table" {
+        table::run(&head, &args, &info.name, &commit());
         return;
     }
     let suite = Suite::named(&args.suite).unwrap_or_else(|| {
