@@ -56,8 +56,7 @@ pub fn run(head: &LmHead, args: &Args, gpu: &str, commit: &str) {
     println!("|---|---:|---:|---:|");
     let start = Instant::now();
     let mut out = std::fs::OpenOptions::new().create(true).append(true).open(&args.out).expect("open --out");
-    let mut n_done = 0;
-    for c in &cases {
+    for (n_done, c) in cases.iter().enumerate() {
         if start.elapsed().as_secs_f64() > args.budget_s {
             println!("(budget of {} s spent: {n_done} of {} shapes tuned; resume with --resume {})", args.budget_s, cases.len(), args.out);
             break;
@@ -95,6 +94,5 @@ pub fn run(head: &LmHead, args: &Args, gpu: &str, commit: &str) {
             None => println!("| {} × {} × {} | {} | {tuning:.1} | {wall:.1} |", c.t, c.v, c.d, new.len()),
             Some(e) => println!("| {} × {} × {} | {} | failed: {e} | {wall:.1} |", c.t, c.v, c.d, new.len()),
         }
-        n_done += 1;
     }
 }
