@@ -204,3 +204,137 @@ fn pruning_table_is_printable() {
         println!("{:<40} {}", lmhead_core::config::kernel_name(Family::FwdEnt, c), r.map(|_| "kept".to_string()).unwrap_or_else(|e| e));
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Table mode (the shipped table of tuned configs)
+// ---------------------------------------------------------------------------------------------
+
+mod table_mode {
+    use super::*;
+    use lmhead::tune::table::{Fit, Table, TableEntry};
+    use lmhead::tune::{Mode, SHORTLIST_CAP};
+    use lmhead::DeviceInfo;
+    use std::collections::BTreeMap;
+
+    fn h200() -> DeviceInfo {
+        DeviceInfo {
+            name: "NVIDIA H200".into(),
+            cc: (9, 0),
+            sm_count: 132,
+            max_smem_optin: 232_448,
+            driver_version: 13_000,
+            l2_bytes: 60 << 20,
+        }
+    }
+
+    fn sm90() -> Vec<TileConfig> {
+        Family::Fwd.candidates().iter().copied().filter(|c| c.is_sm90()).collect()
+    }
+
+    /// A table with one Fwd key (t bucket 4096, v 32000, d 4096): sm90[1] wins, sm90[0] 2% behind.
+    fn table() -> Table {
+        let s = sm90();
+        let mut fixed = BTreeMap::new();
+        fixed.insert(Family::Fwd, s[0]);
+        Table {
+            format: lmhead::tune::table::FORMAT,
+            device: "NVIDIA H200".into(),
+            source: "test".into(),
+            fixed,
+            entries: vec![TableEntry { family: Family::Fwd, bucket: 4096, d: 4096, v: 32000, ranking: vec![(s[1], 1.0), (s[0], 1.02)] }],
+        }
+    }
+
+    fn tuner(enabled: bool, fit: Fit, mode: Mode) -> Tuner {
+        Tuner::new(enabled, Some(h200()), Cache::open(None, "fake")).with_table(Some((table(), fit)), mode)
+    }
+
+    /// Counts trials per candidate; sm90 configs take 1 ms + their index, mma.sync 10 ms.
+    fn counting(calls: &mut BTreeMap<String, usize>) -> impl FnMut(TileConfig) -> lmhead::Result<Trial> + '_ {
+        move |c| {
+            *calls.entry(c.suffix(Family::Fwd)).or_default() += 1;
+            let i = Family::Fwd.candidates().iter().position(|&x| x == c).unwrap() as f64;
+            Ok(Trial { ms: if c.is_sm90() { 1.0 + 0.01 * i } else { 10.0 }, check: vec![1.0] })
+        }
+    }
+
+    #[test]
+    fn an_exact_key_on_the_measured_device_takes_the_table_winner_without_trials() {
+        let t = tuner(true, Fit::Exact, Mode::Table);
+        let w = t.pick(&key(3000), Choice::Auto, &mut |_| panic!("a table hit must not time anything")).unwrap();
+        assert_eq!(w, sm90()[1]);
+        let e = t.entry(&key(3000)).unwrap();
+        assert!(e.candidates.iter().all(|(_, o)| matches!(o, Outcome::Table { .. })), "{e:?}");
+        // As a prior only (another device model): the shortlist is timed.
+        let t = tuner(true, Fit::Prior, Mode::Table);
+        let mut calls = BTreeMap::new();
+        t.pick(&key(3000), Choice::Auto, &mut counting(&mut calls)).unwrap();
+        assert!(!calls.is_empty());
+    }
+
+    #[test]
+    fn another_key_times_only_the_shortlist_and_never_mma_sync_on_sm90() {
+        let t = tuner(true, Fit::Exact, Mode::Table);
+        let mut calls = BTreeMap::new();
+        let k = key(9000); // bucket 16384: not in the table
+        let w = t.pick(&k, Choice::Auto, &mut counting(&mut calls)).unwrap();
+        let s = sm90();
+        assert_eq!(w, s[0], "the faster of the shortlist by the fake times");
+        let timed: Vec<&String> = calls.keys().collect();
+        assert_eq!(timed.len(), 2.min(SHORTLIST_CAP), "only the table's two configs within 5%: {calls:?}");
+        assert!(calls.keys().all(|n| n.contains("tma")), "no mma.sync trial: {calls:?}");
+        let e = t.entry(&k).unwrap();
+        let pruned = e.candidates.iter().filter(|(_, o)| matches!(o, Outcome::Pruned { .. })).count();
+        assert_eq!(pruned, Family::Fwd.candidates().len() - 2, "{e:?}");
+    }
+
+    #[test]
+    fn a_shortlist_that_does_not_run_falls_back_to_the_rest() {
+        let t = tuner(true, Fit::Exact, Mode::Table);
+        let s = sm90();
+        let short = [s[0], s[1]];
+        let mut tried = Vec::new();
+        let w = t
+            .pick(&key(9000), Choice::Auto, &mut |c| {
+                tried.push(c);
+                if short.contains(&c) {
+                    Err(Error::Config("does not launch".into()))
+                } else {
+                    Ok(Trial { ms: if c.is_sm90() { 1.0 } else { 5.0 }, check: vec![1.0] })
+                }
+            })
+            .unwrap();
+        assert!(!short.contains(&w) && w.is_sm90(), "{w:?}");
+        assert_eq!(tried.len(), Family::Fwd.candidates().len(), "every candidate tried once the shortlist failed");
+    }
+
+    #[test]
+    fn untuned_calls_use_the_best_fixed_config_when_it_loads() {
+        let mut t = tuner(false, Fit::Exact, Mode::Table);
+        let mut never = |_: TileConfig| -> lmhead::Result<Trial> { panic!("tuning is disabled") };
+        assert_eq!(t.pick(&key(10), Choice::Auto, &mut never).unwrap(), sm90()[0]);
+        assert_eq!(t.pick(&key(10), Choice::Fallback, &mut never).unwrap(), Family::Fwd.fallback());
+        // Where the sm90 kernels do not load (a JIT that rejects them): the mma.sync fallback.
+        t.set_loads(std::sync::Arc::new(|_, c: TileConfig| !c.is_sm90()));
+        assert_eq!(t.pick(&key(10), Choice::Auto, &mut never).unwrap(), Family::Fwd.fallback());
+    }
+
+    #[test]
+    fn a_tuning_without_scratch_memory_uses_the_fixed_config_uncached() {
+        let t = tuner(true, Fit::Exact, Mode::Table);
+        let oom = |_: TileConfig| -> lmhead::Result<Trial> { Err(Error::OutOfMemory { what: "tuning partials", bytes: 1 << 40 }) };
+        assert_eq!(t.pick(&key(9000), Choice::Auto, &mut { oom }).unwrap(), sm90()[0]);
+        assert!(t.entry(&key(9000)).is_none(), "not cached");
+        // A kernel failure is still an error.
+        let broken = |_: TileConfig| -> lmhead::Result<Trial> { Err(Error::Config("broken".into())) };
+        assert!(matches!(t.pick(&key(9000), Choice::Auto, &mut { broken }), Err(Error::Config(_))));
+    }
+
+    #[test]
+    fn exhaustive_mode_times_every_candidate() {
+        let t = tuner(true, Fit::Exact, Mode::Exhaustive);
+        let mut calls = BTreeMap::new();
+        t.pick(&key(3000), Choice::Auto, &mut counting(&mut calls)).unwrap();
+        assert_eq!(calls.len(), Family::Fwd.candidates().len(), "{calls:?}");
+    }
+}

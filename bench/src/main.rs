@@ -284,7 +284,7 @@ fn tflops(flop: f64, ms: f64) -> f64 {
     flop / (ms * 1e-3) / 1e12
 }
 
-fn commit() -> String {
+pub(crate) fn commit() -> String {
     std::env::var("LMHEAD_COMMIT").unwrap_or_else(|_| option_env!("LMHEAD_BUILD_COMMIT").unwrap_or("unknown").to_string())
 }
 
@@ -315,8 +315,7 @@ fn main() {
         eprintln!("lmhead-bench: warning: the kernels are JIT-compiled ({}): first calls are slower", r.source);
     }
     if args.suite == "probe-child" {
-        let ms = suites::timed_call(&head, &stream, 20_000, 128_256, 4096);
-        println!("| fresh process, cache on disk (JIT, no tuning) | 20000 | 32768 | {ms:.1} |");
+        suites::probe_child(&head, &stream, args.filter.as_deref().unwrap_or_default());
         return;
     }
     if args.suite == "tp" {

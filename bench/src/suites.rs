@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use lmhead::cudarc::driver::{CudaSlice, CudaStream};
+use lmhead::tune::Outcome;
 use lmhead::{FwdInputs, FwdOptions, FwdOutputs, LmHead, Problem};
 
 use crate::{Args, Case};
@@ -91,58 +92,110 @@ fn case(model: &str, tokens: usize, d: usize, v: usize, tp: usize, cp: usize, ba
     Case { model: model.into(), tokens, tp, cp, t: tokens / cp, v: v.div_ceil(tp), d, backward }
 }
 
-/// The autotune probe: a cold first call in a new bucket (kernel JIT + tuning), an exact-length
-/// neighbour in the same bucket, a call in the next bucket (retune), and a fresh process with the
-/// cache on disk (no tuning at all).
-pub fn probe(head: &LmHead, stream: &Arc<CudaStream>, _args: &Args) {
+/// The autotune probe, per public LM head of [`MODELS`] (each with its own empty cache): a cold
+/// first call in a new bucket (forward with entropy and backward: six tuned families), an
+/// exact-length neighbour in the same bucket, a call in the next bucket (retune), and a fresh
+/// process with the cache on disk (no tuning). Prints wall times and, per tuned family, the
+/// seconds its tuning took and how (`table`: the shipped table's pick, no trials; `N timed`).
+pub fn probe(head: &LmHead, _stream: &Arc<CudaStream>, args: &Args) {
     let _ = head;
     let dir = std::env::temp_dir().join(format!("lmhead-probe-{}", std::process::id()));
     let _ = std::fs::create_dir_all(&dir);
-    let cache = dir.join("cache.json");
-    let _ = std::fs::remove_file(&cache);
-    // Read by LmHead::new in this process and inherited by the child.
-    std::env::set_var("LMHEAD_TUNE_CACHE", &cache);
     std::env::set_var("LMHEAD_AUTOTUNE", "1");
-    let fresh = LmHead::new(0).expect("device");
-    let (d, v) = (4096, 128_256);
-    println!("| step | tokens | bucket | wall ms |");
-    println!("|---|---|---|---|");
-    for (step, t) in [
-        ("cold: JIT + tune (new bucket)", 20_000usize),
-        ("same bucket, other length", 20_001),
-        ("same bucket, again", 19_000),
-        ("next bucket: retune", 40_000),
-    ] {
-        let ms = timed_call(&fresh, stream, t, v, d);
-        println!("| {step} | {t} | {} | {ms:.1} |", lmhead::TokenBucket::of(t).tokens());
+    println!("| model | step | tokens | bucket | wall ms | tuning: family s (how) |");
+    println!("|---|---|---:|---:|---:|---|");
+    let mut out = std::fs::OpenOptions::new().create(true).append(true).open(&args.out).expect("open --out");
+    for &(model, d, v) in MODELS.iter().filter(|m| args.filter.as_ref().is_none_or(|f| m.0.contains(f.as_str()))) {
+        let cache = dir.join(format!("{model}.json"));
+        let _ = std::fs::remove_file(&cache);
+        // Read by LmHead::new in this process and inherited by the child.
+        std::env::set_var("LMHEAD_TUNE_CACHE", &cache);
+        let fresh = LmHead::new(0).expect("device");
+        let stream = fresh.gpu().context().default_stream();
+        for (step, t) in [("cold: new bucket", 20_000usize), ("same bucket, other length", 20_001), ("next bucket", 40_000)] {
+            let before: std::collections::BTreeSet<_> = fresh.tuner().entries().into_keys().collect();
+            let ms = timed_step(&fresh, &stream, t, v, d);
+            let tuned: Vec<(String, f64, String)> = fresh
+                .tuner()
+                .entries()
+                .into_iter()
+                .filter(|(k, _)| !before.contains(k))
+                .map(|(k, e)| {
+                    let timed = e.candidates.iter().filter(|(_, o)| matches!(o, Outcome::Timed { .. } | Outcome::Wrong { .. })).count();
+                    let how = if timed == 0 { "table".to_string() } else { format!("{timed} timed") };
+                    (format!("{:?}", k.family), e.seconds, how)
+                })
+                .collect();
+            let cells: Vec<String> = tuned.iter().map(|(f, s, how)| format!("{f} {s:.3} ({how})")).collect();
+            println!("| {model} | {step} | {t} | {} | {ms:.1} | {} |", lmhead::TokenBucket::of(t).tokens(), cells.join(", "));
+            let rec = serde_json::json!({
+                "suite": "probe", "gpu": fresh.gpu().info().name, "commit": crate::commit(),
+                "timestamp": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+                "model": model, "d": d, "v": v, "step": step, "tokens": t, "wall_ms": ms,
+                "tuning": tuned.iter().map(|(f, s, how)| serde_json::json!({"family": f, "seconds": s, "how": how})).collect::<Vec<_>>(),
+            });
+            use std::io::Write as _;
+            writeln!(out, "{rec}").expect("write --out");
+        }
+        // A fresh process reading the cache from disk.
+        let exe = std::env::current_exe().expect("current exe");
+        let o = std::process::Command::new(exe)
+            .args(["probe-child", "--filter", &t_v_d(20_000, v, d)])
+            .env("LMHEAD_TUNE_CACHE", &cache)
+            .output()
+            .expect("spawn child");
+        let child = String::from_utf8_lossy(&o.stdout);
+        println!("| {model} | fresh process, cache on disk | 20000 | 32768 | {} | none |", child.trim());
+        eprint!("{}", String::from_utf8_lossy(&o.stderr));
     }
-    // A fresh process reading the cache from disk.
-    let exe = std::env::current_exe().expect("current exe");
-    let out = std::process::Command::new(exe).arg("probe-child").env("LMHEAD_TUNE_CACHE", &cache).output().expect("spawn child");
-    print!("{}", String::from_utf8_lossy(&out.stdout));
-    eprint!("{}", String::from_utf8_lossy(&out.stderr));
 }
 
-/// Wall-clock milliseconds of one forward (with entropy) of `t` tokens, synchronised.
-pub fn timed_call(head: &LmHead, stream: &Arc<CudaStream>, t: usize, v: usize, d: usize) -> f64 {
-    let hs = crate::random_bf16(t * d, 4.0 / (d as f32).sqrt(), 1);
-    let ws = crate::random_bf16(v * d, 0.5, 2);
+fn t_v_d(t: usize, v: usize, d: usize) -> String {
+    format!("{t}x{v}x{d}")
+}
+
+/// The probe child: one step of the shape `TxVxD` (passed as `--filter`).
+pub fn probe_child(head: &LmHead, stream: &Arc<CudaStream>, shape: &str) {
+    let n: Vec<usize> = shape.split('x').filter_map(|x| x.parse().ok()).collect();
+    let ms = timed_step(head, stream, n[0], n[1], n[2]);
+    println!("{ms:.1}");
+}
+
+/// Wall-clock milliseconds of one training step of `t` tokens — forward with entropy, then the
+/// backward of both outputs — synchronised (tuning included when the bucket is new).
+pub fn timed_step(head: &LmHead, stream: &Arc<CudaStream>, t: usize, v: usize, d: usize) -> f64 {
+    use lmhead::{BwdInputs, BwdOptions, GradOut};
+    let h = lmhead::testing::random_bf16_tiled(stream, t * d, 4.0 / (d as f64).sqrt(), 1).unwrap();
+    let w = lmhead::testing::random_bf16_tiled(stream, v * d, 0.5, 2).unwrap();
     let labels: Vec<i32> = (0..t).map(|i| (i * 7919 % v) as i32).collect();
-    let h = lmhead::testing::upload_bf16(stream, &hs).unwrap();
-    let w = lmhead::testing::upload_bf16(stream, &ws).unwrap();
     let lab = lmhead::testing::upload(stream, &labels).unwrap();
     let mut lp: CudaSlice<f32> = stream.alloc_zeros(t).unwrap();
     let mut lse: CudaSlice<f32> = stream.alloc_zeros(t).unwrap();
     let mut ent: CudaSlice<f32> = stream.alloc_zeros(t).unwrap();
+    let g = lmhead::testing::upload(stream, &vec![1.0f32; t]).unwrap();
+    let mut dh: CudaSlice<lmhead::bf16> = stream.alloc_zeros(t * d).unwrap();
+    let mut dw: CudaSlice<lmhead::bf16> = stream.alloc_zeros(v * d).unwrap();
     stream.synchronize().unwrap();
     let start = Instant::now();
+    let p = Problem::new(t, v, d);
     head.forward(
         stream,
-        &FwdInputs { h: &h, w: &w, labels: &lab, problem: Problem::new(t, v, d) },
+        &FwdInputs { h: &h, w: &w, labels: &lab, problem: p },
         &FwdOptions::default(),
         FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) },
     )
     .unwrap();
+    let bx = BwdInputs {
+        h: &h,
+        w: &w,
+        labels: &lab,
+        lse: &lse,
+        entropy: Some(&ent as &dyn lmhead::cudarc::driver::DevicePtr<f32>),
+        grad_logprob: Some(&g),
+        grad_entropy: Some(&g as &dyn lmhead::cudarc::driver::DevicePtr<f32>),
+        problem: p,
+    };
+    head.backward(stream, &bx, &BwdOptions::default(), GradOut::Bf16(&mut dh), Some(GradOut::Bf16(&mut dw))).unwrap();
     stream.synchronize().unwrap();
     start.elapsed().as_secs_f64() * 1e3
 }

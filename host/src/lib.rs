@@ -90,7 +90,9 @@ impl LmHead {
         Ok(Self::with_tuner(gpu.clone(), Tuner::from_env(gpu.info())))
     }
 
-    pub fn with_tuner(gpu: Arc<Gpu>, tuner: Tuner) -> Self {
+    pub fn with_tuner(gpu: Arc<Gpu>, mut tuner: Tuner) -> Self {
+        let g = gpu.clone();
+        tuner.set_loads(Arc::new(move |f, c| g.function(&lmhead_core::config::kernel_name(f, c), c.smem_bytes() as u32).is_ok()));
         Self { gpu, tuner, ws: Mutex::new(workspace::Workspace::new()) }
     }
 
@@ -142,12 +144,8 @@ impl LmHead {
         self.tuner.warm_up(token_counts, |t| {
             let p = Problem::new(t, v, d);
             p.check()?;
-            let bits = |n: usize, seed: u64| {
-                let mut r = lmhead_reference::rng::Rng::new(seed);
-                (0..n).map(|_| lmhead_reference::bf16::from_f32((r.normal() * 0.05) as f32)).collect::<Vec<u16>>()
-            };
-            let h = testing::upload_bf16(&stream, &bits(t * d, 1))?;
-            let w = testing::upload_bf16(&stream, &bits(v * d, 2))?;
+            let h = testing::random_bf16_tiled(&stream, t * d, 0.05, 1)?;
+            let w = testing::random_bf16_tiled(&stream, v * d, 0.05, 2)?;
             let labels = testing::upload(&stream, &(0..t).map(|i| (i % v) as i32).collect::<Vec<_>>())?;
             let alloc = |n: usize| stream.alloc_zeros::<f32>(n).map_err(|_| Error::OutOfMemory { what: "warm-up outputs", bytes: 4 * n });
             let (mut lp, mut lse, mut ent) = (alloc(t)?, alloc(t)?, alloc(t)?);

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut, DeviceRepr};
 
-use crate::error::{Context as _, Result};
+use crate::error::{Context as _, Error, Result};
 
 /// Fill a buffer with 0xFF bytes: NaN as f32 and as bf16, −1 as integers. An element a kernel
 /// fails to write stays NaN and fails the checks.
@@ -20,6 +20,29 @@ pub fn poison<T>(stream: &CudaStream, buf: &mut (impl DevicePtrMut<T> + ?Sized))
 pub fn upload_bf16(stream: &Arc<CudaStream>, bits: &[u16]) -> Result<CudaSlice<half::bf16>> {
     let v: Vec<half::bf16> = bits.iter().map(|&b| half::bf16::from_bits(b)).collect();
     stream.clone_htod(&v).during(|| "uploading bf16 data".into())
+}
+
+/// `n` bf16 values `N(0, scale²)`-ish from `seed`, generated on the host for one block of at
+/// most 2²⁰ values and repeated on the device by doubling copies: scratch data for tuning and
+/// warm-up (hundreds of millions of values) in milliseconds rather than the tens of seconds a
+/// host generator takes. Rows repeat with period 2²⁰ values, irrelevant to a kernel's speed.
+pub fn random_bf16_tiled(stream: &Arc<CudaStream>, n: usize, scale: f64, seed: u64) -> Result<CudaSlice<half::bf16>> {
+    const BLOCK: usize = 1 << 20;
+    let mut r = lmhead_reference::rng::Rng::new(seed);
+    let block: Vec<half::bf16> = (0..n.min(BLOCK)).map(|_| half::bf16::from_f64(r.normal() * scale)).collect();
+    let mut buf = stream.alloc_zeros::<half::bf16>(n.max(1)).map_err(|_| Error::OutOfMemory { what: "scratch data", bytes: 2 * n })?;
+    if n == 0 {
+        return Ok(buf);
+    }
+    stream.memcpy_htod(&block, &mut buf.slice_mut(0..block.len())).during(|| "uploading scratch data".into())?;
+    let mut filled = block.len();
+    while filled < n {
+        let len = filled.min(n - filled);
+        let (done, mut rest) = buf.split_at_mut(filled);
+        stream.memcpy_dtod(&done.slice(0..len), &mut rest.slice_mut(0..len)).during(|| "repeating scratch data".into())?;
+        filled += len;
+    }
+    Ok(buf)
 }
 
 /// Upload any plain slice.

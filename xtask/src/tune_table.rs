@@ -1,0 +1,252 @@
+//! `cargo xtask tune-table <tune-table.jsonl>... [--out FILE] [--report FILE]`: merge the records
+//! of `lmhead-bench tune-table` runs (by key; the latest record of a key wins), write the shipped
+//! table of tuned configs (`host/tuned/<device>.json`, read by `host/src/tune/table.rs`), and
+//! print the autotuned-vs-best-fixed report from the same records.
+//!
+//! Per key the table keeps the timed candidates within 25% of the fastest (at most 5), fastest
+//! first, relative to the fastest. The
+//! best fixed config of a family is the one timed at every key of the family with the smallest
+//! geometric-mean slowdown (time / that key's best) over those keys: the fairest single config
+//! (it is also the most frequent winner whenever one config dominates).
+//!
+//! The report compares, per shape, the autotuned winners with the best fixed configs on the
+//! tuning trials' own times (median of 5 timed runs each; contenders' times include their
+//! confirmation rounds): per family, and for a training step estimated as
+//! `fwd_ent + ⌈v / chunk⌉ · (dlogits_ent + dh + dW)`.
+
+use std::collections::BTreeMap;
+
+use lmhead_core::config::{Family, TileConfig};
+use serde_json::Value;
+
+type Key = (Family, u32, u32, u32); // family, bucket, d, v
+
+struct Rec {
+    ts: u64,
+    ms: Vec<(TileConfig, f64)>,
+}
+
+/// A complete shape: local t, v, d and the case name.
+type Shape = (u32, u32, u32, String);
+
+/// What the records hold: the GPU's name, every key's latest record, the complete shapes.
+type Records = (String, BTreeMap<Key, Rec>, Vec<Shape>);
+
+fn family(v: &Value) -> Option<Family> {
+    serde_json::from_value(v.clone()).ok()
+}
+
+fn read(files: &[String]) -> Result<Records, String> {
+    let mut keys: BTreeMap<Key, Rec> = BTreeMap::new();
+    let mut shapes = Vec::new();
+    let mut gpu = String::new();
+    for f in files {
+        let text = std::fs::read_to_string(f).map_err(|e| format!("{f}: {e}"))?;
+        for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+            let r: Value = serde_json::from_str(line).map_err(|e| format!("{f}:{}: {e}", i + 1))?;
+            if r["suite"] != "tune-table" {
+                continue;
+            }
+            gpu = r["gpu"].as_str().unwrap_or_default().to_string();
+            let s = &r["shape"];
+            if r.get("key").is_none() {
+                if r["complete"].as_bool() == Some(true) {
+                    let g = |k: &str| s[k].as_u64().unwrap_or(0) as u32;
+                    let shape = (g("t"), g("v"), g("d"), s["case"].as_str().unwrap_or_default().to_string());
+                    if !shapes.contains(&shape) {
+                        shapes.push(shape);
+                    }
+                }
+                continue;
+            }
+            let k = &r["key"];
+            if k["tp"].as_bool() == Some(true) || k["dtype"] != "bf16" {
+                continue;
+            }
+            let fam = family(&k["family"]).ok_or_else(|| format!("{f}:{}: unknown family {}", i + 1, k["family"]))?;
+            let key =
+                (fam, k["bucket"].as_u64().unwrap_or(0) as u32, k["d"].as_u64().unwrap_or(0) as u32, k["v"].as_u64().unwrap_or(0) as u32);
+            let mut ms = Vec::new();
+            for c in r["entry"]["candidates"].as_array().into_iter().flatten() {
+                let (Some(cfg), Some(o)) = (c.get(0), c.get(1)) else { continue };
+                let Ok(cfg) = serde_json::from_value::<TileConfig>(cfg.clone()) else { continue };
+                if o["outcome"] == "timed" {
+                    if let Some(t) = o["ms"].as_f64() {
+                        ms.push((cfg, t));
+                    }
+                }
+            }
+            let ts = r["timestamp"].as_u64().unwrap_or(0);
+            if ms.is_empty() || keys.get(&key).is_some_and(|old| old.ts > ts) {
+                continue;
+            }
+            ms.sort_by(|a, b| a.1.total_cmp(&b.1));
+            keys.insert(key, Rec { ts, ms });
+        }
+    }
+    Ok((gpu, keys, shapes))
+}
+
+fn best_fixed(keys: &BTreeMap<Key, Rec>, fam: Family) -> Option<(TileConfig, f64)> {
+    let ks: Vec<&Rec> = keys.iter().filter(|(k, _)| k.0 == fam).map(|(_, r)| r).collect();
+    if ks.is_empty() {
+        return None;
+    }
+    fam.candidates()
+        .iter()
+        .filter(|c| c.is_sm90())
+        .filter_map(|&c| {
+            let mut log = 0.0;
+            for r in &ks {
+                let t = r.ms.iter().find(|(x, _)| *x == c)?.1;
+                log += (t / r.ms[0].1).ln();
+            }
+            Some((c, (log / ks.len() as f64).exp()))
+        })
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+}
+
+fn stats(mut xs: Vec<f64>) -> (f64, f64, f64, f64) {
+    xs.sort_by(|a, b| a.total_cmp(b));
+    let n = xs.len();
+    let q = |p: f64| xs[((n as f64 - 1.0) * p).round() as usize];
+    (xs.iter().sum::<f64>() / n as f64, q(0.5), q(0.9), xs[n - 1])
+}
+
+pub fn run(args: &[String]) -> Result<(), String> {
+    let mut files = Vec::new();
+    let mut out = None;
+    let mut report = None;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--out" => out = Some(it.next().ok_or("--out needs a file")?.clone()),
+            "--report" => report = Some(it.next().ok_or("--report needs a file")?.clone()),
+            s if s.starts_with('-') => return Err(format!("unknown option {s}")),
+            f => files.push(f.to_string()),
+        }
+    }
+    if files.is_empty() {
+        return Err("usage: cargo xtask tune-table <tune-table.jsonl>... [--out host/tuned/<device>.json] [--report FILE.md]".into());
+    }
+    let (gpu, keys, shapes) = read(&files)?;
+    if keys.is_empty() {
+        return Err("no tune-table records in those files".into());
+    }
+    let mut fixed = BTreeMap::new();
+    let mut md = String::new();
+    md.push_str(&format!(
+        "# Autotuned vs best fixed config, {gpu}\n\nFrom `cargo xtask tune-table {}`: {} tuned keys, {} complete shapes.\n\n",
+        files.join(" "),
+        keys.len(),
+        shapes.len()
+    ));
+    md.push_str("| family | keys | best fixed config | geomean slowdown | its wins |\n|---|---:|---|---:|---:|\n");
+    for f in Family::ALL {
+        let Some((c, g)) = best_fixed(&keys, f) else { continue };
+        let n = keys.iter().filter(|(k, _)| k.0 == f).count();
+        let wins = keys.iter().filter(|(k, r)| k.0 == f && r.ms[0].0 == c).count();
+        md.push_str(&format!("| {f:?} | {n} | {} | {g:.4} | {wins}/{n} |\n", c.suffix(f)));
+        fixed.insert(f, c);
+    }
+    // Per shape: the families' times, autotuned vs fixed.
+    let time = |f: Family, bucket: u32, d: u32, v: u32, c: Option<TileConfig>| -> Option<f64> {
+        let r = keys.get(&(f, bucket, d, v))?;
+        match c {
+            None => Some(r.ms[0].1),
+            Some(c) => r.ms.iter().find(|(x, _)| *x == c).map(|x| x.1),
+        }
+    };
+    let chunk_of = |f: Family, bucket: u32, d: u32, v: u32| -> Option<u32> {
+        keys.keys().filter(|k| k.0 == f && k.1 == bucket && k.2 == d && k.3 <= v.max(1)).map(|k| k.3).max()
+    };
+    let mut per_family: BTreeMap<Family, Vec<f64>> = BTreeMap::new();
+    let mut step = Vec::new();
+    let mut rows = String::new();
+    for (t, v, d, case) in &shapes {
+        let bucket = lmhead_core::TokenBucket::of(*t as usize).tokens();
+        let mut auto_total = 0.0;
+        let mut fixed_total = 0.0;
+        let mut ok = true;
+        let Some(chunk) = chunk_of(Family::BwdDlogitsEnt, bucket, *d, *v) else { continue };
+        let n_chunks = v.div_ceil(chunk) as f64;
+        for (f, fv, mult) in [
+            (Family::Fwd, *v, 0.0),
+            (Family::FwdEnt, *v, 1.0),
+            (Family::BwdDlogits, chunk, 0.0),
+            (Family::BwdDlogitsEnt, chunk, n_chunks),
+            (Family::BwdDh, chunk, n_chunks),
+            (Family::BwdDw, chunk, n_chunks),
+        ] {
+            match (time(f, bucket, *d, fv, None), fixed.get(&f).and_then(|&c| time(f, bucket, *d, fv, Some(c)))) {
+                (Some(a), Some(x)) => {
+                    per_family.entry(f).or_default().push(1.0 - a / x);
+                    auto_total += mult * a;
+                    fixed_total += mult * x;
+                }
+                _ => ok = false,
+            }
+        }
+        if ok {
+            let red = 1.0 - auto_total / fixed_total;
+            step.push(red);
+            rows.push_str(&format!("| {t} × {v} × {d} | {case} | {fixed_total:.3} | {auto_total:.3} | {:+.2}% |\n", -100.0 * red));
+        }
+    }
+    md.push_str("\nLatency reduction of the autotuned pick against the best fixed config, per shape (trial times):\n\n");
+    md.push_str("| what | shapes | mean | median | p90 | max | faster | worst regression |\n|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    let line = |name: String, xs: &Vec<f64>| -> String {
+        let (mean, med, p90, max) = stats(xs.clone());
+        let faster = xs.iter().filter(|&&x| x > 1e-9).count();
+        let worst = -xs.iter().cloned().fold(0.0, f64::min);
+        format!(
+            "| {name} | {} | {:.2}% | {:.2}% | {:.2}% | {:.2}% | {faster}/{} | {:.2}% |\n",
+            xs.len(),
+            100.0 * mean,
+            100.0 * med,
+            100.0 * p90,
+            100.0 * max,
+            xs.len(),
+            100.0 * worst
+        )
+    };
+    if !step.is_empty() {
+        md.push_str(&line("training step (fwd_ent + chunks × (dlogits_ent + dh + dW))".into(), &step));
+    }
+    for (f, xs) in &per_family {
+        md.push_str(&line(format!("{f:?}"), xs));
+    }
+    md.push_str("\n| local t × v × d | case | fixed ms | autotuned ms | change |\n|---|---|---:|---:|---:|\n");
+    md.push_str(&rows);
+    print!("{md}");
+    if let Some(r) = report {
+        std::fs::write(&r, &md).map_err(|e| format!("{r}: {e}"))?;
+    }
+    if let Some(o) = out {
+        let entries: Vec<Value> = keys
+            .iter()
+            .map(|((f, b, d, v), r)| {
+                let best = r.ms[0].1;
+                // What the tuner reads: the winner and the runners-up within 25% (at most 5).
+                let ranking: Vec<Value> =
+                    r.ms.iter()
+                        .filter(|(_, t)| *t <= 1.25 * best)
+                        .take(5)
+                        .map(|(c, t)| serde_json::json!([c, (t / best * 1e4).round() / 1e4]))
+                        .collect();
+                serde_json::json!({"family": f, "bucket": b, "d": d, "v": v, "ranking": ranking})
+            })
+            .collect();
+        let table = serde_json::json!({
+            "format": 1, "device": gpu,
+            "source": format!("cargo xtask tune-table {}", files.iter().map(|f| f.rsplit('/').next().unwrap_or(f)).collect::<Vec<_>>().join(" ")),
+            "fixed": fixed, "entries": entries,
+        });
+        let mut text = serde_json::to_string(&table).map_err(|e| e.to_string())?;
+        // One entry per line: reviewable diffs.
+        text = text.replace("},{\"family\"", "},\n{\"family\"");
+        std::fs::write(&o, text + "\n").map_err(|e| format!("{o}: {e}"))?;
+        eprintln!("wrote {o}: {} keys", keys.len());
+    }
+    Ok(())
+}
