@@ -325,8 +325,18 @@ impl LmHead {
         let BwdDev { p, sc, h, w, labels, lse, gl, ent } = *x;
         let choice = if with_dw { choice } else { BwdConfigs { dw: Choice::Fallback, ..choice } };
         let stride = stride_of(chunk);
-        let dims = Dims { t: p.t, v: p.v, d: p.d };
+        // The keys: the caller's token count. The trials: its first rows only, as the forward's
+        // (`crate::fwd::TRIAL_ROWS`): a chunk of 32768 rows is already two waves of tiles, and
+        // the GEMMs' time per row (or, for dW, per k step) does not change beyond that.
         let chunk_problem = Problem::new(p.t, chunk, p.d);
+        let p = Problem::new(p.t.min(crate::fwd::TRIAL_ROWS), p.v, p.d);
+        let (h, lse) = (&h.sub(0, p.t * p.d, 2)?, &lse.sub(0, p.t, 4)?);
+        let labels = &Labels { dev: labels.dev.sub(0, p.t, labels.elem())?, kind: labels.kind };
+        let gl = gl.map(|g| g.sub(0, p.t, 4)).transpose()?;
+        let gl = gl.as_ref();
+        let ent = ent.map(|(e, g)| Ok::<_, Error>((e.sub(0, p.t, 4)?, g.sub(0, p.t, 4)?))).transpose()?;
+        let ent = ent.as_ref().map(|(e, g)| (e, g));
+        let dims = Dims { t: p.t, v: p.v, d: p.d };
         let needs_tuning = self.tuner.enabled()
             && [(fam_dl, choice.dlogits), (Family::BwdDh, choice.dh), (Family::BwdDw, choice.dw)]
                 .iter()

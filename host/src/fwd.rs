@@ -257,6 +257,11 @@ impl LmHead {
         (h, w, labels): (&Dev, &Dev, &Labels),
     ) -> Result<TileConfig> {
         let key = TuneKey::new(family, p, tp);
+        // Trials run on a slice: the first rows of h and of W (labels beyond the slice's
+        // vocabulary find no column, identically for every candidate).
+        let p = trial_slice(p);
+        let (h, w) = (&h.sub(0, p.t * p.d, 2)?, &w.sub(0, p.v * p.d, 2)?);
+        let labels = &Labels { dev: labels.dev.sub(0, p.t, labels.elem())?, kind: labels.kind };
         let dims = Dims { t: p.t, v: p.v, d: p.d };
         self.tuner.pick(&key, choice, &mut |cfg| {
             let plan = self.plan_split(family, cfg, p)?;
@@ -294,5 +299,40 @@ impl LmHead {
             let check = stream.clone_dtoh(&outs).during(|| "reading tuning outputs".into())?;
             Ok(crate::tune::Trial { ms, check: check.into_iter().map(|x| x as f64).collect() })
         })
+    }
+}
+
+/// Largest forward trial, in multiply-adds `t·v·d`: about 3.5 ms of tensor-core time on an
+/// H200, so that a shortlist of three with a confirmation round stays well under 0.5 s.
+pub(crate) const TRIAL_MACS: usize = 1 << 40;
+
+/// Rows a tuning trial runs (forward and backward).
+pub(crate) const TRIAL_ROWS: usize = 32_768;
+
+/// The shape a forward trial runs: `t` up to 32768 rows (256 tiles of 128 rows: two waves of
+/// 132 SMs, the steady state every candidate sees alike, since all tile 128 rows), and `v`
+/// cut to [`TRIAL_MACS`] (at least 8192 columns: 32–64 tiles per block, as at full size),
+/// rounded to whole 256-column tiles.
+pub(crate) fn trial_slice(p: Problem) -> Problem {
+    let t = p.t.min(TRIAL_ROWS);
+    let v = (TRIAL_MACS / (t * p.d).max(1)).max(8192).next_multiple_of(256).min(p.v);
+    Problem::new(t, v, p.d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trial_slices_cap_the_work_and_keep_small_shapes_whole() {
+        for (t, v, d) in [(1, 1, 8), (7, 3, 64), (4097, 50_257, 4096), (20_000, 248_320, 2048), (262_144, 131_072, 8192), (65_536, 8, 5120)]
+        {
+            let s = trial_slice(Problem::new(t, v, d));
+            assert_eq!(s.d, d);
+            assert!(s.t == t.min(TRIAL_ROWS) && s.v <= v && s.v > 0, "{s:?}");
+            assert!(s.v == v || s.v.is_multiple_of(256), "{s:?}");
+            assert!(s.v == v || s.t * s.v * s.d <= (TRIAL_MACS + s.t * 256 * s.d).max(s.t * 8192 * s.d), "{s:?}");
+        }
+        assert_eq!(trial_slice(Problem::new(4096, 32_000, 4096)).v, 32_000, "a small vocabulary is tried whole");
     }
 }

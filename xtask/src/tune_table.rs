@@ -198,7 +198,8 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let line = |name: String, xs: &Vec<f64>| -> String {
         let (mean, med, p90, max) = stats(xs.clone());
         let faster = xs.iter().filter(|&&x| x > 1e-9).count();
-        let worst = -xs.iter().cloned().fold(0.0, f64::min);
+        let low = xs.iter().cloned().fold(0.0, f64::min);
+        let worst = if low < 0.0 { -low } else { 0.0 };
         format!(
             "| {name} | {} | {:.2}% | {:.2}% | {:.2}% | {:.2}% | {faster}/{} | {:.2}% |\n",
             xs.len(),
