@@ -325,11 +325,13 @@ impl LmHead {
         let BwdDev { p, sc, h, w, labels, lse, gl, ent } = *x;
         let choice = if with_dw { choice } else { BwdConfigs { dw: Choice::Fallback, ..choice } };
         let stride = stride_of(chunk);
-        // The keys: the caller's token count. The trials: its first rows only, as the forward's
-        // (`crate::fwd::TRIAL_ROWS`): a chunk of 32768 rows is already two waves of tiles, and
-        // the GEMMs' time per row (or, for dW, per k step) does not change beyond that.
+        // The keys: the caller's token count. The trials, in table mode: its first rows only,
+        // as the forward's (`crate::fwd::TRIAL_ROWS`): 32768 rows are already two waves of
+        // tiles, and the GEMMs' time per row (or, for dW, per k step) does not change beyond
+        // that. Exhaustive tuning (how the table is made) times the real shape.
         let chunk_problem = Problem::new(p.t, chunk, p.d);
-        let p = Problem::new(p.t.min(crate::fwd::TRIAL_ROWS), p.v, p.d);
+        let rows = if self.tuner.mode() == crate::tune::Mode::Table { p.t.min(crate::fwd::TRIAL_ROWS) } else { p.t };
+        let p = Problem::new(rows, p.v, p.d);
         let (h, lse) = (&h.sub(0, p.t * p.d, 2)?, &lse.sub(0, p.t, 4)?);
         let labels = &Labels { dev: labels.dev.sub(0, p.t, labels.elem())?, kind: labels.kind };
         let gl = gl.map(|g| g.sub(0, p.t, 4)).transpose()?;

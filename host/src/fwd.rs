@@ -15,7 +15,7 @@ use lmhead_core::Problem;
 use crate::error::{Context as _, Error, Result};
 use crate::launch::{self, dev_in, dev_out, Dev, Dims, Labels, MergeOuts, MergeStep, Scalars};
 use crate::tp::{Communicator, ReduceOp, Shard};
-use crate::tune::{Choice, TuneKey};
+use crate::tune::{Choice, Mode, TuneKey};
 use crate::validate;
 use crate::{bf16, LabelType, LmHead};
 
@@ -257,9 +257,10 @@ impl LmHead {
         (h, w, labels): (&Dev, &Dev, &Labels),
     ) -> Result<TileConfig> {
         let key = TuneKey::new(family, p, tp);
-        // Trials run on a slice: the first rows of h and of W (labels beyond the slice's
-        // vocabulary find no column, identically for every candidate).
-        let p = trial_slice(p);
+        // Table mode: trials run on a slice, the first rows of h and of W (labels beyond the
+        // slice's vocabulary find no column, identically for every candidate). Exhaustive
+        // tuning (how the table is made) times the real shape.
+        let p = if self.tuner.mode() == Mode::Table { trial_slice(p) } else { p };
         let (h, w) = (&h.sub(0, p.t * p.d, 2)?, &w.sub(0, p.v * p.d, 2)?);
         let labels = &Labels { dev: labels.dev.sub(0, p.t, labels.elem())?, kind: labels.kind };
         let dims = Dims { t: p.t, v: p.v, d: p.d };

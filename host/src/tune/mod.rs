@@ -7,17 +7,20 @@
 //!
 //! - **table** (the default, `LMHEAD_TUNE=table`): with the shipped table of tuned configs
 //!   ([`table`]) measured on this device model, a key the table holds takes the table's winner
-//!   without trials. Any other key times a shortlist: the table's best configs at the nearest
-//!   keys (on sm90, the `mma.sync` configs are left out: 1.7–2.3× slower at every key of the
-//!   table). If nothing on the shortlist runs, the rest is timed.
-//! - **exhaustive** (`LMHEAD_TUNE=exhaustive`; how the table is made): every candidate.
+//!   without trials. Any other key times a shortlist, the table's best configs at the nearest
+//!   keys (on sm90 the `mma.sync` configs are left out: 1.7–2.3× slower at every key of the
+//!   table), on a slice of the caller's inputs (its first 32768 rows; the forward's vocabulary
+//!   cut to ~2⁴⁰ multiply-adds), with one confirmation round. If nothing on the shortlist runs,
+//!   the rest is timed.
+//! - **exhaustive** (`LMHEAD_TUNE=exhaustive`; how the table is made): every candidate on the
+//!   caller's real shape, two confirmation rounds.
 //!
-//! Trials prune on paper first (shared memory, divisibility), time on the caller's real shapes
-//! (warm-up, CUDA events, median), write only to scratch buffers, and reject candidates that
-//! fail or disagree with the first timed candidate's answer. The winner *and every outcome* go
-//! into the cache, which persists across processes ([`cache`]). `LMHEAD_AUTOTUNE=0` uses each
-//! family's best fixed config from the table (or the `mma.sync` fallback where the table's
-//! kernels do not load), as does a tuning whose every trial failed (not cached; retried later).
+//! Trials prune on paper first (shared memory, divisibility), time with CUDA events (warm-up,
+//! median of 5), write only to scratch buffers, and reject candidates that fail or disagree
+//! with the first timed candidate's answer. The winner *and every outcome* go into the cache,
+//! which persists across processes ([`cache`]). `LMHEAD_AUTOTUNE=0` uses each family's best
+//! fixed config from the table (or the `mma.sync` fallback where the table's kernels do not
+//! load), as does a tuning whose trials all ran out of scratch memory (not cached).
 
 pub mod bench;
 pub mod cache;
