@@ -122,12 +122,45 @@ def _verl():
     try:
         from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy  # type: ignore
     except Exception:
-        return None
+        linear_cross_entropy = _verl_kernel_only()
+        if linear_cross_entropy is None:
+            return None
 
     def run(h, w, labels):
         return linear_cross_entropy(h, w, labels, 1.0, "none")
 
     return run
+
+
+def _verl_kernel_only():
+    """verl's kernel from an installed ``verl`` whose package ``__init__`` cannot be imported
+    (it pulls in Ray and its data protocol, which the kernel does not use): the packages
+    ``verl``, ``verl.utils`` and ``verl.utils.kernel`` are registered without running their
+    ``__init__`` files, then the kernel module is imported as usual."""
+    import importlib.util
+    import types
+
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = list(spec.submodule_search_locations)[0]
+    saved = {k: sys.modules.get(k) for k in ("verl", "verl.utils", "verl.utils.kernel")}
+    try:
+        for name, sub in (("verl", ""), ("verl.utils", "/utils"), ("verl.utils.kernel", "/utils/kernel")):
+            m = types.ModuleType(name)
+            m.__path__ = [root + sub]
+            sys.modules[name] = m
+        from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy  # type: ignore
+
+        return linear_cross_entropy
+    except Exception as e:
+        print(f"verl's kernel did not import: {type(e).__name__}: {e}", file=sys.stderr)
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+        return None
 
 
 def _liger():
