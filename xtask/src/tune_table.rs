@@ -251,3 +251,52 @@ pub fn run(args: &[String]) -> Result<(), String> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(family: &str, bucket: u32, times: &[(usize, f64)], ts: u64) -> String {
+        let fam: Family = serde_json::from_value(serde_json::json!(family)).unwrap();
+        let cands: Vec<Value> =
+            times.iter().map(|&(i, ms)| serde_json::json!([fam.candidates()[i], {"outcome": "timed", "ms": ms}])).collect();
+        serde_json::json!({
+            "suite": "tune-table", "gpu": "G", "timestamp": ts, "shape": {"t": bucket, "v": 1000, "d": 64},
+            "key": {"family": family, "bucket": bucket, "d": 64, "v": 1000, "dtype": "bf16", "tp": false},
+            "entry": {"winner": fam.candidates()[times[0].0], "candidates": cands, "seconds": 0.1},
+        })
+        .to_string()
+    }
+
+    #[test]
+    fn merges_by_key_and_picks_the_fairest_fixed_config() {
+        let sm90: Vec<usize> = (0..Family::Fwd.candidates().len()).filter(|&i| Family::Fwd.candidates()[i].is_sm90()).collect();
+        let (a, b) = (sm90[0], sm90[1]);
+        let dir = std::env::temp_dir().join(format!("xtask-tt-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("r.jsonl");
+        // a wins narrowly at two keys, b wins by far at one: b's geomean slowdown is smaller.
+        let lines = [
+            rec("Fwd", 2048, &[(a, 1.00), (b, 1.02)], 1),
+            rec("Fwd", 4096, &[(a, 1.00), (b, 1.02)], 1),
+            rec("Fwd", 8192, &[(a, 2.00), (b, 1.00)], 1),
+            // An older record of the 8192 key is ignored, a newer one replaces it.
+            rec("Fwd", 8192, &[(a, 1.00), (b, 9.00)], 0),
+        ];
+        std::fs::write(&f, lines.join("\n")).unwrap();
+        let (gpu, keys, _) = read(&[f.to_string_lossy().into()]).unwrap();
+        assert_eq!(gpu, "G");
+        assert_eq!(keys.len(), 3);
+        let k8 = &keys[&(Family::Fwd, 8192, 64, 1000)];
+        assert_eq!(k8.ms[0].0, Family::Fwd.candidates()[b]);
+        let (c, g) = best_fixed(&keys, Family::Fwd).unwrap();
+        assert_eq!(c, Family::Fwd.candidates()[b]);
+        assert!((g - (1.02f64 * 1.02).powf(1.0 / 3.0)).abs() < 1e-9, "{g}");
+        let out = dir.join("t.json");
+        run(&[f.to_string_lossy().into(), "--out".into(), out.to_string_lossy().into()]).unwrap();
+        let t: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        assert_eq!(t["entries"].as_array().unwrap().len(), 3);
+        assert_eq!(t["fixed"]["Fwd"], serde_json::to_value(Family::Fwd.candidates()[b]).unwrap());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
