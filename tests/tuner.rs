@@ -240,6 +240,7 @@ mod table_mode {
             format: lmhead::tune::table::FORMAT,
             device: "NVIDIA H200".into(),
             source: "test".into(),
+            ptx_hash: String::new(),
             fixed,
             entries: vec![TableEntry { family: Family::Fwd, bucket: 4096, d: 4096, v: 32000, ranking: vec![(s[1], 1.0), (s[0], 1.02)] }],
         }

@@ -1,4 +1,4 @@
-//! `cargo xtask tune-table <tune-table.jsonl>... [--out FILE] [--report FILE]`: merge the records
+//! `cargo xtask tune-table <tune-table.jsonl>... [--out FILE] [--report FILE] [--ptx-hash H]`: merge the records
 //! of `lmhead-bench tune-table` runs (by key; the latest record of a key wins), write the shipped
 //! table of tuned configs (`host/tuned/<device>.json`, read by `host/src/tune/table.rs`), and
 //! print the autotuned-vs-best-fixed report from the same records.
@@ -29,8 +29,9 @@ struct Rec {
 /// A complete shape: local t, v, d and the case name.
 type Shape = (u32, u32, u32, String);
 
-/// What the records hold: the GPU's name, every key's latest record, the complete shapes.
-type Records = (String, BTreeMap<Key, Rec>, Vec<Shape>);
+/// What the records hold: the GPU's name, every key's latest record, the complete shapes, the
+/// PTX hashes of the kernels they timed.
+type Records = (String, BTreeMap<Key, Rec>, Vec<Shape>, Vec<String>);
 
 fn family(v: &Value) -> Option<Family> {
     serde_json::from_value(v.clone()).ok()
@@ -40,6 +41,7 @@ fn read(files: &[String]) -> Result<Records, String> {
     let mut keys: BTreeMap<Key, Rec> = BTreeMap::new();
     let mut shapes = Vec::new();
     let mut gpu = String::new();
+    let mut hashes: Vec<String> = Vec::new();
     for f in files {
         let text = std::fs::read_to_string(f).map_err(|e| format!("{f}: {e}"))?;
         for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
@@ -48,6 +50,11 @@ fn read(files: &[String]) -> Result<Records, String> {
                 continue;
             }
             gpu = r["gpu"].as_str().unwrap_or_default().to_string();
+            if let Some(h) = r["ptx_hash"].as_str() {
+                if !hashes.iter().any(|x| x == h) {
+                    hashes.push(h.to_string());
+                }
+            }
             let s = &r["shape"];
             if r.get("key").is_none() {
                 if r["complete"].as_bool() == Some(true) {
@@ -84,7 +91,7 @@ fn read(files: &[String]) -> Result<Records, String> {
             keys.insert(key, Rec { ts, ms });
         }
     }
-    Ok((gpu, keys, shapes))
+    Ok((gpu, keys, shapes, hashes))
 }
 
 fn best_fixed(keys: &BTreeMap<Key, Rec>, fam: Family) -> Option<(TileConfig, f64)> {
@@ -117,22 +124,35 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let mut files = Vec::new();
     let mut out = None;
     let mut report = None;
+    let mut ptx_hash = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--out" => out = Some(it.next().ok_or("--out needs a file")?.clone()),
             "--report" => report = Some(it.next().ok_or("--report needs a file")?.clone()),
+            "--ptx-hash" => ptx_hash = Some(it.next().ok_or("--ptx-hash needs a value")?.clone()),
             s if s.starts_with('-') => return Err(format!("unknown option {s}")),
             f => files.push(f.to_string()),
         }
     }
     if files.is_empty() {
-        return Err("usage: cargo xtask tune-table <tune-table.jsonl>... [--out host/tuned/<device>.json] [--report FILE.md]".into());
+        return Err(
+            "usage: cargo xtask tune-table <tune-table.jsonl>... [--out host/tuned/<device>.json] [--report FILE.md] [--ptx-hash H]".into(),
+        );
     }
-    let (gpu, keys, shapes) = read(&files)?;
+    let (gpu, keys, shapes, hashes) = read(&files)?;
     if keys.is_empty() {
         return Err("no tune-table records in those files".into());
     }
+    // The kernels the records timed: from the records (written since the field exists), or
+    // `--ptx-hash` (the `ptx_hash` in the header of the run's tune-cache.json) for older ones.
+    let ptx_hash = match (hashes.as_slice(), ptx_hash) {
+        ([], Some(h)) => h,
+        ([h], None) => h.clone(),
+        ([h], Some(x)) if *h == x => x,
+        ([], None) => return Err("the records name no PTX hash: pass --ptx-hash (the tune cache header's ptx_hash)".into()),
+        (hs, x) => return Err(format!("records of different kernels cannot make one table: {hs:?} (--ptx-hash {x:?})")),
+    };
     let mut fixed = BTreeMap::new();
     let mut md = String::new();
     md.push_str(&format!(
@@ -239,7 +259,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
             })
             .collect();
         let table = serde_json::json!({
-            "format": 1, "device": gpu,
+            "format": 1, "device": gpu, "ptx_hash": ptx_hash,
             "source": format!("cargo xtask tune-table {}", files.iter().map(|f| f.rsplit('/').next().unwrap_or(f)).collect::<Vec<_>>().join(" ")),
             "fixed": fixed, "entries": entries,
         });
@@ -284,7 +304,7 @@ mod tests {
             rec("Fwd", 8192, &[(a, 1.00), (b, 9.00)], 0),
         ];
         std::fs::write(&f, lines.join("\n")).unwrap();
-        let (gpu, keys, _) = read(&[f.to_string_lossy().into()]).unwrap();
+        let (gpu, keys, _, _) = read(&[f.to_string_lossy().into()]).unwrap();
         assert_eq!(gpu, "G");
         assert_eq!(keys.len(), 3);
         let k8 = &keys[&(Family::Fwd, 8192, 64, 1000)];
@@ -293,7 +313,9 @@ mod tests {
         assert_eq!(c, Family::Fwd.candidates()[b]);
         assert!((g - (1.02f64 * 1.02).powf(1.0 / 3.0)).abs() < 1e-9, "{g}");
         let out = dir.join("t.json");
-        run(&[f.to_string_lossy().into(), "--out".into(), out.to_string_lossy().into()]).unwrap();
+        assert!(run(&[f.to_string_lossy().into(), "--out".into(), out.to_string_lossy().into()]).is_err(), "no PTX hash");
+        run(&[f.to_string_lossy().into(), "--out".into(), out.to_string_lossy().into(), "--ptx-hash".into(), "0123456789abcdef".into()])
+            .unwrap();
         let t: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
         assert_eq!(t["entries"].as_array().unwrap().len(), 3);
         assert_eq!(t["fixed"]["Fwd"], serde_json::to_value(Family::Fwd.candidates()[b]).unwrap());

@@ -47,6 +47,9 @@ pub struct Table {
     pub device: String,
     /// How it was made (command and results files).
     pub source: String,
+    /// [`crate::ptx::ptx_hash`] of the kernels it timed: other kernels use it as a prior only.
+    #[serde(default)]
+    pub ptx_hash: String,
     /// Per family, the best fixed config (smallest geometric-mean slowdown over the table's keys).
     pub fixed: BTreeMap<Family, TileConfig>,
     pub entries: Vec<TableEntry>,
@@ -55,9 +58,10 @@ pub struct Table {
 /// How far a table's measurements carry to this device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fit {
-    /// Measured on this device model: exact keys need no trials.
+    /// Measured on this device model with these kernels: exact keys need no trials.
     Exact,
-    /// Another device of the same architecture: a prior for the shortlist only.
+    /// Another device of the same architecture, or other kernels (a table older than the
+    /// build): a prior for the shortlist only.
     Prior,
 }
 
@@ -77,16 +81,18 @@ impl Table {
         Ok(t)
     }
 
-    /// The shipped table for `device`: its own model's (`Fit::Exact`), else, on another sm90
-    /// device, the first shipped table as a prior (`Fit::Prior`); none before sm90 (only the
-    /// `mma.sync` configs run there, and the tables do not rank them).
+    /// The shipped table for `device`: its own model's (`Fit::Exact` when it timed these
+    /// kernels, else `Fit::Prior`), else, on another sm90 device, the first shipped table as a
+    /// prior; none before sm90 (only the `mma.sync` configs run there, and the tables do not
+    /// rank them).
     pub fn shipped(device: &DeviceInfo) -> Option<(Table, Fit)> {
         if device.cc.0 != 9 {
             return None;
         }
         let tables: Vec<Table> = SHIPPED.iter().filter_map(|(_, text)| Table::parse(text).ok()).collect();
         if let Some(t) = tables.iter().find(|t| t.device == device.name) {
-            return Some((t.clone(), Fit::Exact));
+            let fit = if t.ptx_hash == crate::ptx::ptx_hash() { Fit::Exact } else { Fit::Prior };
+            return Some((t.clone(), fit));
         }
         tables.into_iter().next().map(|t| (t, Fit::Prior))
     }
@@ -149,6 +155,12 @@ mod tests {
             for f in Family::ALL {
                 assert!(t.fixed(f).is_some_and(|c| c.is_sm90()), "{name}: no sm90 fixed config for {f:?}");
             }
+            assert_eq!(t.ptx_hash.len(), 16, "{name}: no PTX hash");
+            if t.ptx_hash != crate::ptx::ptx_hash() {
+                // Not an error: the table then serves as a prior (shortlists are timed). A new
+                // `lmhead-bench tune-table` run on the GPU brings back zero-trial picks.
+                println!("note: {name} timed other kernels ({} ≠ {}): a prior only", t.ptx_hash, crate::ptx::ptx_hash());
+            }
             for e in &t.entries {
                 assert!((e.ranking[0].1 - 1.0).abs() < 1e-9, "{name}: {e:?} does not start at 1.0");
                 assert!(e.ranking.windows(2).all(|w| w[0].1 <= w[1].1), "{name}: {e:?} not sorted");
@@ -165,6 +177,7 @@ mod tests {
             format: FORMAT,
             device: "X".into(),
             source: String::new(),
+            ptx_hash: String::new(),
             fixed: BTreeMap::new(),
             entries: vec![
                 entry(2048, 2048, 248_320, vec![(c[7], 1.0), (c[8], 1.01), (c[9], 1.2)]),
