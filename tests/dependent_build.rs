@@ -24,7 +24,7 @@ fn a_dependent_crate_embeds_the_cubin() {
     std::fs::write(
         dir.join("Cargo.toml"),
         format!(
-            "[package]\nname = \"lmhead-dependent\"\nversion = \"0.0.0\"\nedition = \"2021\"\npublish = false\n\n[dependencies]\nlmhead = {{ path = {:?} }}\n\n[workspace]\n",
+            "[package]\nname = \"lmhead-dependent\"\nversion = \"0.0.0\"\nedition = \"2021\"\npublish = false\n\n[dependencies]\nlmhead = {{ path = {:?}, features = [\"testing\"] }}\n\n[workspace]\n",
             root.join("host")
         ),
     )

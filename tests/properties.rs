@@ -36,8 +36,12 @@ fn valid_inputs_give_consistent_results() {
         let c = Case::generate(rng.next_u64(), t, v, d, &s);
         let what = format!("case {case_no}: t={t} v={v} d={d} {s:?} (run seed {seed})");
         let opts = FwdOptions { temperature: s.temperature as f32, ..Default::default() };
-        let f = cpu::forward(&to_bf16(&c.h), &to_bf16(&c.w), &c.labels, Problem::new(t, v, d), &opts, true)
-            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let f = cpu::forward(
+            &cpu::CpuInputs { h: &to_bf16(&c.h), w: &to_bf16(&c.w), labels: &c.labels, problem: Problem::new(t, v, d) },
+            &opts,
+            true,
+        )
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
         let ent = f.entropy.as_ref().unwrap();
         let pieces = 1 + rng.below(4) as usize;
         let bounds: Vec<usize> = (0..=pieces).map(|k| k * v / pieces).collect();
@@ -83,7 +87,9 @@ fn invalid_inputs_give_the_expected_typed_error() {
         };
         let opts = FwdOptions { temperature, ..Default::default() };
         let entropy = rng.below(2) == 0;
-        let r = std::panic::catch_unwind(|| cpu::forward(&h, &w, &labels, Problem::new(t, v, d), &opts, entropy));
+        let r = std::panic::catch_unwind(|| {
+            cpu::forward(&cpu::CpuInputs { h: &h, w: &w, labels: &labels, problem: Problem::new(t, v, d) }, &opts, entropy)
+        });
         let what = format!("case {case_no}: t={t} v={v} d={d} lens=({hn},{wn},{ln}) temp={temperature} (run seed {seed})");
         let r = r.unwrap_or_else(|_| panic!("{what}: panicked instead of returning an error"));
         // The first failing check, in the order validation runs.

@@ -246,23 +246,51 @@ fn cpu_backend_typed_errors() {
     let w: Vec<bf16> = c.w.iter().map(|&b| bf16::from_bits(b)).collect();
     let p = Problem::new(4, 10, 8);
     let o = FwdOptions::default();
-    assert!(cpu::forward(&h, &w, &c.labels, p, &o, true).is_ok());
+    assert!(cpu::forward(&cpu::CpuInputs { h: &h, w: &w, labels: &c.labels, problem: p }, &o, true).is_ok());
     let e = |r: lmhead::Result<cpu::CpuFwd>| r.unwrap_err();
-    assert!(matches!(e(cpu::forward(&h, &w, &c.labels, Problem::new(0, 10, 8), &o, true)), Error::Shape(ShapeError::NoTokens)));
-    assert!(matches!(e(cpu::forward(&h, &w, &c.labels, Problem::new(4, 0, 8), &o, true)), Error::Shape(ShapeError::NoVocab)));
-    assert!(matches!(e(cpu::forward(&h, &w, &c.labels, Problem::new(4, 10, 12), &o, true)), Error::Shape(ShapeError::Hidden { d: 12 })));
-    assert!(matches!(e(cpu::forward(&h[..8], &w, &c.labels, p, &o, true)), Error::Length { what: "h", .. }));
-    assert!(matches!(e(cpu::forward(&h, &w[..8], &c.labels, p, &o, true)), Error::Length { what: "W", .. }));
-    assert!(matches!(e(cpu::forward(&h, &w, &c.labels[..3], p, &o, true)), Error::Length { what: "labels", .. }));
+    assert!(matches!(
+        e(cpu::forward(&cpu::CpuInputs { h: &h, w: &w, labels: &c.labels, problem: Problem::new(0, 10, 8) }, &o, true)),
+        Error::Shape(ShapeError::NoTokens)
+    ));
+    assert!(matches!(
+        e(cpu::forward(&cpu::CpuInputs { h: &h, w: &w, labels: &c.labels, problem: Problem::new(4, 0, 8) }, &o, true)),
+        Error::Shape(ShapeError::NoVocab)
+    ));
+    assert!(matches!(
+        e(cpu::forward(&cpu::CpuInputs { h: &h, w: &w, labels: &c.labels, problem: Problem::new(4, 10, 12) }, &o, true)),
+        Error::Shape(ShapeError::Hidden { d: 12 })
+    ));
+    assert!(matches!(
+        e(cpu::forward(&cpu::CpuInputs { h: &h[..8], w: &w, labels: &c.labels, problem: p }, &o, true)),
+        Error::Length { what: "h", .. }
+    ));
+    assert!(matches!(
+        e(cpu::forward(&cpu::CpuInputs { h: &h, w: &w[..8], labels: &c.labels, problem: p }, &o, true)),
+        Error::Length { what: "W", .. }
+    ));
+    assert!(matches!(
+        e(cpu::forward(&cpu::CpuInputs { h: &h, w: &w, labels: &c.labels[..3], problem: p }, &o, true)),
+        Error::Length { what: "labels", .. }
+    ));
     for bad in [0.0f32, -1.0, f32::NAN, f32::INFINITY] {
         let o = FwdOptions { temperature: bad, ..Default::default() };
-        assert!(matches!(e(cpu::forward(&h, &w, &c.labels, p, &o, true)), Error::Temperature(_)));
+        assert!(matches!(
+            e(cpu::forward(&cpu::CpuInputs { h: &h, w: &w, labels: &c.labels, problem: p }, &o, true)),
+            Error::Temperature(_)
+        ));
     }
     let mut labels = c.labels.clone();
     labels[1] = 10;
-    assert!(matches!(e(cpu::forward(&h, &w, &labels, p, &o, true)), Error::BadLabel { row: Some(1), label: Some(10) }));
+    assert!(matches!(
+        e(cpu::forward(&cpu::CpuInputs { h: &h, w: &w, labels: &labels, problem: p }, &o, true)),
+        Error::BadLabel { row: Some(1), label: Some(10) }
+    ));
     let lse = vec![0.0f32; 4];
     let g = vec![1.0f32; 4];
-    let r = cpu::backward(&h, &w, &c.labels, p, &lse, None, None, Some(&g), &BwdOptions::default());
+    let r = cpu::backward(
+        &cpu::CpuInputs { h: &h, w: &w, labels: &c.labels, problem: p },
+        &cpu::CpuGrads { lse: &lse, entropy: None, grad_logprob: None, grad_entropy: Some(&g) },
+        &BwdOptions::default(),
+    );
     assert!(matches!(r, Err(Error::Invalid(_))), "entropy gradient without saved entropy");
 }

@@ -30,19 +30,27 @@ struct Outs {
     dw: Vec<f64>,
 }
 
-/// One rank's (or the unsharded) run: forward (entropy optional) and backward with f32 outputs.
-#[allow(clippy::too_many_arguments)]
+/// What every run of one TP case does: the forward with or without entropy, what happens to
+/// `dh`, the upstream gradients (log-prob, entropy) and how the kernels are chosen.
+#[derive(Clone, Copy)]
+struct Mode<'a> {
+    entropy: bool,
+    reduce: ReduceDh,
+    grads: (&'a [f32], &'a [f32]),
+    config: Choice,
+}
+
+/// One rank's (or the unsharded) run on the vocab rows `[v0, v1)`: forward (entropy optional)
+/// and backward with f32 outputs.
 fn run_rank(
     head: &LmHead,
     stream: &Arc<CudaStream>,
     case: &Case,
     (v0, v1): (usize, usize),
     comm: Option<&dyn Communicator>,
-    entropy: bool,
-    reduce: ReduceDh,
-    grads: (&[f32], &[f32]),
-    config: Choice,
+    m: &Mode,
 ) -> Outs {
+    let Mode { entropy, reduce, grads, config } = *m;
     let (t, d) = (case.t, case.d);
     let v = v1 - v0;
     let p = Problem::new(t, v, d);
@@ -87,7 +95,14 @@ fn run_rank(
         _ => BwdOptions { config: BwdConfigs::all(config), ..Default::default() },
     };
     match comm {
-        Some(c) => head.backward_tp(c, stream, &bx, shard, reduce, &bo, GradOut::F32(&mut dh), Some(GradOut::F32(&mut dw))),
+        Some(c) => head.backward_tp(
+            lmhead::TpBackward { comm: c, shard, reduce },
+            stream,
+            &bx,
+            &bo,
+            GradOut::F32(&mut dh),
+            Some(GradOut::F32(&mut dw)),
+        ),
         None => head.backward(stream, &bx, &bo, GradOut::F32(&mut dh), Some(GradOut::F32(&mut dw))),
     }
     .unwrap();
@@ -116,17 +131,8 @@ fn tp_inputs(seed: u64, t: usize, v: usize, d: usize, entropy: bool) -> (Case, V
 /// when every run used the same (fallback) kernels. Autotuned runs may pick other tiles or the
 /// other mainloop for a shard than for the whole vocabulary (a different rounding of each logit,
 /// measured at ≈ 1e-5 per log-prob at d = 1024 against the f64 reference): `1e-4` and `1e-3`.
-#[allow(clippy::too_many_arguments)]
-fn check_ranks(
-    desc: &str,
-    d: usize,
-    shards: &[(usize, usize)],
-    ranks: &[Outs],
-    whole: &Outs,
-    entropy: bool,
-    reduce: ReduceDh,
-    config: Choice,
-) {
+fn check_ranks(desc: &str, d: usize, shards: &[(usize, usize)], ranks: &[Outs], whole: &Outs, m: &Mode) {
+    let Mode { entropy, reduce, config, .. } = *m;
     let (fwd_tol, grad_tol) = if config == Choice::Fallback { (2e-5, 1e-4) } else { (1e-4, 1e-3) };
     let tol = |_: usize, _: f64| fwd_tol;
     let mut dh_sum = vec![0.0f64; whole.dh.len()];
@@ -160,7 +166,8 @@ fn tp_case(test: &str, n: usize, v: usize, entropy: bool, reduce: ReduceDh, seed
     // Unsharded reference run on the GPU.
     let head = LmHead::new(0).unwrap();
     let stream = head.gpu().context().default_stream();
-    let whole = run_rank(&head, &stream, &case, (0, v), None, entropy, reduce, (&gl, &ge), Choice::Fallback);
+    let mode = Mode { entropy, reduce, grads: (&gl, &ge), config: Choice::Fallback };
+    let whole = run_rank(&head, &stream, &case, (0, v), None, &mode);
     // Every shard holds some label (so every rank's label path is exercised).
     let shards: Vec<(usize, usize)> = (0..n).map(|r| Shard::even(r, n, v)).map(|(s, len)| (s.v_begin, s.v_begin + len)).collect();
     for &(a, b) in &shards {
@@ -173,17 +180,17 @@ fn tp_case(test: &str, n: usize, v: usize, entropy: bool, reduce: ReduceDh, seed
             .iter()
             .zip(&shards)
             .map(|(comm, &range)| {
-                let (case, gl, ge) = (&case, &gl, &ge);
+                let case = &case;
                 s.spawn(move || {
                     let head = LmHead::new(0).unwrap();
                     let stream = head.gpu().context().new_stream().unwrap();
-                    run_rank(&head, &stream, case, range, Some(comm as &dyn Communicator), entropy, reduce, (gl, ge), Choice::Fallback)
+                    run_rank(&head, &stream, case, range, Some(comm as &dyn Communicator), &mode)
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    check_ranks(&desc, d, &shards, &ranks, &whole, entropy, reduce, Choice::Fallback);
+    check_ranks(&desc, d, &shards, &ranks, &whole, &mode);
     // And the unsharded forward against the f64 reference, as a sanity anchor.
     let r = forward(&case.inputs());
     check("logprob vs f64", &desc, &whole.lp, &r.logprob, &|_, _| 2e-4);
@@ -242,8 +249,9 @@ fn nccl_single_rank_matches_unsharded() {
     let case = Case::generate(seed, 129, 777, 64, &Structure { huge: 0.0, all_negative: 0.0, ..Default::default() });
     let zeros = vec![0.0f32; case.t];
     let ones = vec![1.0f32; case.t];
-    let whole = run_rank(&head, &stream, &case, (0, case.v), None, true, ReduceDh::AllReduce, (&ones, &zeros), Choice::Fallback);
-    let tp = run_rank(&head, &stream, &case, (0, case.v), Some(&comm), true, ReduceDh::AllReduce, (&ones, &zeros), Choice::Fallback);
+    let mode = Mode { entropy: true, reduce: ReduceDh::AllReduce, grads: (&ones, &zeros), config: Choice::Fallback };
+    let whole = run_rank(&head, &stream, &case, (0, case.v), None, &mode);
+    let tp = run_rank(&head, &stream, &case, (0, case.v), Some(&comm), &mode);
     let tol = |_: usize, _: f64| 2e-5;
     check("logprob", test, &tp.lp, &whole.lp, &tol);
     check("entropy", test, tp.ent.as_ref().unwrap(), whole.ent.as_ref().unwrap(), &tol);
@@ -282,7 +290,8 @@ fn nccl_multi_gpu_matches_unsharded() {
             i += 1;
             let (case, gl, ge) = tp_inputs(case_seed, t, v, d, entropy);
             let desc = format!("{test} n={n} t={t} v={v} d={d} entropy={entropy} {reduce:?} {config:?} seed={case_seed}");
-            let whole = run_rank(&head, &stream, &case, (0, v), None, entropy, reduce, (&gl, &ge), config);
+            let mode = Mode { entropy, reduce, grads: (&gl, &ge), config };
+            let whole = run_rank(&head, &stream, &case, (0, v), None, &mode);
             let heads: Vec<LmHead> = (0..n).map(|r| LmHead::new(r).unwrap()).collect();
             let streams: Vec<Arc<CudaStream>> = heads.iter().map(|h| h.gpu().context().new_stream().unwrap()).collect();
             let comms = lmhead::tp::NcclComm::from_streams(streams.clone()).unwrap();
@@ -291,15 +300,13 @@ fn nccl_multi_gpu_matches_unsharded() {
                 let handles: Vec<_> = (0..n)
                     .map(|r| {
                         let (head, stream, comm, range) = (&heads[r], &streams[r], &comms[r], shards[r]);
-                        let (case, gl, ge) = (&case, &gl, &ge);
-                        s.spawn(move || {
-                            run_rank(head, stream, case, range, Some(comm as &dyn Communicator), entropy, reduce, (gl, ge), config)
-                        })
+                        let case = &case;
+                        s.spawn(move || run_rank(head, stream, case, range, Some(comm as &dyn Communicator), &mode))
                     })
                     .collect();
                 handles.into_iter().map(|h| h.join().unwrap()).collect()
             });
-            check_ranks(&desc, d, &shards, &ranks, &whole, entropy, reduce, config);
+            check_ranks(&desc, d, &shards, &ranks, &whole, &mode);
             println!("[{test}] tp nccl n={n} t={t} v={v} d={d} entropy={entropy} {reduce:?} {config:?}: OK ({n} GPUs agree with the unsharded run)");
         }
     }

@@ -229,11 +229,16 @@ fn cpu_tensor_parallel_matches_unsharded() {
     let w: Vec<bf16> = case.w.iter().map(|&b| bf16::from_bits(b)).collect();
     let fo = FwdOptions { temperature: case.temperature as f32, ..Default::default() };
     let bo = BwdOptions { temperature: case.temperature as f32, ..Default::default() };
-    let whole = cpu::forward(&h, &w, &case.labels, Problem::new(t, v, d), &fo, true).unwrap();
+    let whole = cpu::forward(&cpu::CpuInputs { h: &h, w: &w, labels: &case.labels, problem: Problem::new(t, v, d) }, &fo, true).unwrap();
     let g: Vec<f32> = (0..t).map(|i| 0.5 + (i % 3) as f32).collect();
     let ge: Vec<f32> = (0..t).map(|i| (i % 2) as f32 - 0.25).collect();
     let ent = whole.entropy.clone().unwrap();
-    let (dh, dw) = cpu::backward(&h, &w, &case.labels, Problem::new(t, v, d), &whole.lse, Some(&ent), Some(&g), Some(&ge), &bo).unwrap();
+    let (dh, dw) = cpu::backward(
+        &cpu::CpuInputs { h: &h, w: &w, labels: &case.labels, problem: Problem::new(t, v, d) },
+        &cpu::CpuGrads { lse: &whole.lse, entropy: Some(&ent), grad_logprob: Some(&g), grad_entropy: Some(&ge) },
+        &bo,
+    )
+    .unwrap();
     let n = 3;
     let shared = std::sync::Arc::new((std::sync::Mutex::new(vec![None; n]), std::sync::Barrier::new(n)));
     let outs: Vec<_> = std::thread::scope(|s| {
@@ -245,9 +250,17 @@ fn cpu_tensor_parallel_matches_unsharded() {
                     let (shard, vl) = Shard::even(rank, n, v);
                     let ws = &w[shard.v_begin * d..(shard.v_begin + vl) * d];
                     let p = Problem::new(t, vl, d);
-                    let f = cpu::forward_tp(&comm, h, ws, labels, p, shard, fo, true).unwrap();
+                    let f = cpu::forward_tp(&comm, &cpu::CpuInputs { h, w: ws, labels, problem: p }, shard, fo, true).unwrap();
                     let e = f.entropy.clone().unwrap();
-                    let (dh, dw) = cpu::backward_tp(&comm, h, ws, labels, p, shard, &f.lse, Some(&e), Some(g), Some(ge), bo, true).unwrap();
+                    let (dh, dw) = cpu::backward_tp(
+                        &comm,
+                        &cpu::CpuInputs { h, w: ws, labels, problem: p },
+                        shard,
+                        &cpu::CpuGrads { lse: &f.lse, entropy: Some(&e), grad_logprob: Some(g), grad_entropy: Some(ge) },
+                        bo,
+                        true,
+                    )
+                    .unwrap();
                     (f, dh, dw, shard.v_begin, vl)
                 })
             })

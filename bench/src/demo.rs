@@ -89,10 +89,15 @@ fn cpu_demo() -> Result<(), String> {
     let h: Vec<bf16> = case.h.iter().map(|&b| bf16::from_bits(b)).collect();
     let w: Vec<bf16> = case.w.iter().map(|&b| bf16::from_bits(b)).collect();
     let t0 = Instant::now();
-    let f = cpu::forward(&h, &w, &case.labels, p, &FwdOptions::default(), true).map_err(|e| e.to_string())?;
-    let gl = vec![1.0f32; t];
-    let (dh, dw) = cpu::backward(&h, &w, &case.labels, p, &f.lse, f.entropy.as_deref(), Some(&gl), None, &BwdOptions::default())
+    let f = cpu::forward(&cpu::CpuInputs { h: &h, w: &w, labels: &case.labels, problem: p }, &FwdOptions::default(), true)
         .map_err(|e| e.to_string())?;
+    let gl = vec![1.0f32; t];
+    let (dh, dw) = cpu::backward(
+        &cpu::CpuInputs { h: &h, w: &w, labels: &case.labels, problem: p },
+        &cpu::CpuGrads { lse: &f.lse, entropy: f.entropy.as_deref(), grad_logprob: Some(&gl), grad_entropy: None },
+        &BwdOptions::default(),
+    )
+    .map_err(|e| e.to_string())?;
     println!("forward + backward: {:.1} ms", t0.elapsed().as_secs_f64() * 1e3);
     // Independent path: four vocab shards, merged.
     let shards: Vec<_> = (0..4).map(|k| shard_partials(&case.shard(k * v / 4, (k + 1) * v / 4))).collect();

@@ -18,7 +18,7 @@ use std::sync::{Arc, Barrier, Mutex};
 use std::time::Instant;
 
 use lmhead::cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
-use lmhead::launch::Dev;
+use lmhead::tp::Dev;
 use lmhead::tp::{NcclComm, ReduceOp};
 use lmhead::{
     bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, Communicator, FwdInputs, FwdOptions, FwdOutputs, GradOut, LmHead, Problem, ReduceDh,
@@ -126,19 +126,20 @@ enum Op {
     FwdBwd,
 }
 
-/// Rank `rank` of `n` (on `head`'s GPU): uploads its shard, tunes and warms up every operation,
-/// then `reps` rounds, each sample started together with the other ranks.
-#[allow(clippy::too_many_arguments)]
-fn run_rank(
-    head: &LmHead,
-    stream: &Arc<CudaStream>,
-    comm: Option<&dyn Communicator>,
+/// One rank's place in the group: its communicator (none for a single GPU), its index among the
+/// `n` ranks, and the barrier that starts each sample together.
+#[derive(Clone, Copy)]
+struct Rank<'a> {
+    comm: Option<&'a dyn Communicator>,
     rank: usize,
     n: usize,
-    pb: &Problem0<'_>,
-    reps: usize,
-    barrier: &Barrier,
-) -> lmhead::Result<RankTimes> {
+    barrier: &'a Barrier,
+}
+
+/// Rank `r.rank` of `r.n` (on `head`'s GPU): uploads its shard, tunes and warms up every
+/// operation, then `reps` rounds, each sample started together with the other ranks.
+fn run_rank(head: &LmHead, stream: &Arc<CudaStream>, r: &Rank, pb: &Problem0<'_>, reps: usize) -> lmhead::Result<RankTimes> {
+    let Rank { comm, rank, n, barrier } = *r;
     let (t, d) = (pb.t, pb.d);
     let (shard, v) = Shard::even(rank, n, pb.v);
     let p = Problem::new(t, v, d);
@@ -186,11 +187,9 @@ fn run_rank(
                 };
                 match tp {
                     Some(c) => head.backward_tp(
-                        c,
+                        lmhead::TpBackward { comm: c, shard, reduce: ReduceDh::AllReduce },
                         stream,
                         &bx,
-                        shard,
-                        ReduceDh::AllReduce,
                         &bo,
                         GradOut::Bf16(&mut dh),
                         Some(GradOut::Bf16(&mut dw)),
@@ -264,7 +263,7 @@ fn measure(name: &str, pb: &Problem0<'_>, n: usize, reps: usize) -> lmhead::Resu
             .map(|r| {
                 let (head, stream, comm, barrier) = (&heads[r], &streams[r], comms.get(r).map(|c| c as &dyn Communicator), &barrier);
                 s.spawn(move || {
-                    let res = run_rank(head, stream, comm, r, n, pb, reps, barrier);
+                    let res = run_rank(head, stream, &Rank { comm, rank: r, n, barrier }, pb, reps);
                     if let Err(e) = &res {
                         // The other ranks would wait for this one at the next barrier or
                         // collective forever: report and stop the whole benchmark.

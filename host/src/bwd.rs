@@ -25,8 +25,8 @@ use lmhead_core::config::{Family, TileConfig};
 use lmhead_core::Problem;
 
 use crate::error::{Context as _, Error, Result};
-use crate::launch::{self, dev_in, dev_out, Dev, Dims, GemmOut, Labels, Scalars};
-use crate::tp::{Communicator, ReduceDh, ReduceOp, Shard};
+use crate::launch::{self, dev_in, dev_out, Chunk, Dev, Dims, DlogitsIn, GemmC, GemmIn, GemmOut, Labels, LogitsIn, Scalars};
+use crate::tp::{Communicator, ReduceDh, Shard, TpBackward};
 use crate::tune::{Choice, TuneKey};
 use crate::validate;
 use crate::{bf16, LabelType, LmHead};
@@ -141,17 +141,13 @@ struct Out<'a> {
     f32: bool,
 }
 
-/// The validated inputs of a backward call, as device buffers.
+/// The validated inputs of a backward call, as device buffers: the logits operands and what the
+/// d-logits read besides.
 #[derive(Clone, Copy)]
 struct BwdDev<'a, 'b> {
     p: Problem,
-    sc: Scalars,
-    h: &'b Dev<'a>,
-    w: &'b Dev<'a>,
-    labels: &'b Labels<'a>,
-    lse: &'b Dev<'a>,
-    gl: Option<&'b Dev<'a>>,
-    ent: Option<(&'b Dev<'a>, &'b Dev<'a>)>,
+    x: LogitsIn<'a, 'b>,
+    g: DlogitsIn<'a, 'b>,
 }
 
 fn grad_out<'a>(g: &'a mut GradOut<'_>, stream: &'a CudaStream, what: &'static str) -> Result<Out<'a>> {
@@ -172,41 +168,23 @@ impl LmHead {
         dh: GradOut<'_>,
         dw: Option<GradOut<'_>>,
     ) -> Result<BwdReport> {
-        self.backward_impl(stream, x, Shard::whole(x.problem.v), None, opts, dh, dw)
+        self.backward_impl(stream, x, None, opts, dh, dw)
     }
 
-    /// The backward under vocab-parallel tensor parallelism: `x.w` is this rank's shard, `x.lse`
-    /// and `x.entropy` the *global* values from [`LmHead::forward_tp`]. `dw` receives this
-    /// shard's rows; `dh` the full gradient (`ReduceDh::AllReduce`, a SUM over `comm`) or this
-    /// rank's partial sum (`ReduceDh::Caller`). See [`crate::tp`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn backward_tp<L: LabelType>(
-        &self,
-        comm: &dyn Communicator,
-        stream: &Arc<CudaStream>,
-        x: &BwdInputs<'_, L>,
-        shard: Shard,
-        reduce: ReduceDh,
-        opts: &BwdOptions,
-        dh: GradOut<'_>,
-        dw: Option<GradOut<'_>>,
-    ) -> Result<BwdReport> {
-        let comm = (reduce == ReduceDh::AllReduce).then_some(comm);
-        self.backward_impl(stream, x, shard, comm, opts, dh, dw)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn backward_impl<L: LabelType>(
+    /// The backward on the whole vocabulary, or with `tp` on this rank's shard
+    /// ([`LmHead::backward_tp`], whose steps are in [`crate::tp`]).
+    pub(crate) fn backward_impl<L: LabelType>(
         &self,
         stream: &Arc<CudaStream>,
         x: &BwdInputs<'_, L>,
-        shard: Shard,
-        reduce_dh: Option<&dyn Communicator>,
+        tp: Option<TpBackward<'_>>,
         opts: &BwdOptions,
         mut dh: GradOut<'_>,
         mut dw: Option<GradOut<'_>>,
     ) -> Result<BwdReport> {
         let p = x.problem;
+        let shard = tp.map_or(Shard::whole(p.v), |tp| tp.shard);
+        let reduce_dh = tp.and_then(|tp| (tp.reduce == ReduceDh::AllReduce).then_some(tp.comm));
         self.check_stream(stream)?;
         let h = dev_in(x.h, stream, "h")?;
         let w = dev_in(x.w, stream, "W")?;
@@ -240,7 +218,11 @@ impl LmHead {
             (Some(g), Some(e)) => Some((g, e)),
             _ => None,
         };
-        let x = BwdDev { p, sc, h: &h, w: &w, labels: &labels, lse: &lse, gl: gl.as_ref(), ent: ent.as_ref().map(|(a, b)| (a, b)) };
+        let x = BwdDev {
+            p,
+            x: LogitsIn { dims: Dims { t: p.t, v: p.v, d: p.d }, sc, h: &h, w: &w, labels: &labels },
+            g: DlogitsIn { lse: &lse, grad_logprob: gl.as_ref(), ent: ent.as_ref().map(|(a, b)| (a, b)) },
+        };
         self.backward_dev(stream, opts, reduce_dh, &x, &dh, dw.as_ref())
     }
 
@@ -253,14 +235,13 @@ impl LmHead {
         dh: &Out,
         dw: Option<&Out>,
     ) -> Result<BwdReport> {
-        let BwdDev { p, sc, h, w, labels, lse, gl, ent } = *x;
-        let dims = Dims { t: p.t, v: p.v, d: p.d };
+        let p = x.p;
+        let (h, w) = (x.x.h, x.x.w);
         let chunk = opts.chunk.unwrap_or_else(|| auto_chunk(p.t, p.d)).min(p.v);
         let stride = stride_of(chunk);
         let chunks = p.v.div_ceil(chunk);
-        let fam_dl = if ent.is_some() { Family::BwdDlogitsEnt } else { Family::BwdDlogits };
-        let tp = sc.v_begin != 0 || reduce_dh.is_some();
-        let (cfg_dl, cfg_dh, cfg_dw) = self.bwd_configs(stream, opts.config, chunk, fam_dl, tp, x, dw.is_some())?;
+        let tp = x.x.sc.v_begin != 0 || reduce_dh.is_some();
+        let (cfg_dl, cfg_dh, cfg_dw) = self.bwd_configs(stream, opts.config, chunk, tp, x, dw.is_some())?;
         let mut guard = self.call_ws();
         {
             let ws = &mut *guard;
@@ -281,7 +262,7 @@ impl LmHead {
             for c in 0..chunks {
                 let c0 = c * chunk;
                 let cw = chunk.min(p.v - c0);
-                launch::bwd_dlogits(&self.gpu, stream, cfg_dl, dims, sc, (c0, cw, stride), h, w, labels, lse, gl, ent, &staging)?;
+                launch::bwd_dlogits(&self.gpu, stream, cfg_dl, &x.x, Chunk { begin: c0, width: cw, stride }, &x.g, &staging)?;
                 // dh (+)= staging[:, :cw] · W[c0 .. c0 + cw]
                 let first = c == 0;
                 let last = c + 1 == chunks;
@@ -298,11 +279,7 @@ impl LmHead {
                 }
             }
             if let Some(comm) = reduce_dh {
-                // Tensor parallel: every rank's partial dh, summed in f32, then rounded.
-                comm.all_reduce(stream, acc, ReduceOp::Sum)?;
-                if reduce_bf16 {
-                    launch::cast_f32_bf16(&self.gpu, stream, p.t * p.d, acc, &dh.dev)?;
-                }
+                crate::tp::reduce_dh(&self.gpu, stream, comm, p.t * p.d, acc, reduce_bf16.then_some(&dh.dev))?;
             }
         }
         let workspace_bytes = guard.staging.bytes() + guard.dh_acc.bytes();
@@ -311,20 +288,21 @@ impl LmHead {
 
     /// Configs of the three backward kernels (the `dW` one is the fallback, untuned, when
     /// `with_dw` is false). Tuning trials write only scratch buffers.
-    #[allow(clippy::too_many_arguments)]
     fn bwd_configs(
         &self,
         stream: &Arc<CudaStream>,
         choice: BwdConfigs,
         chunk: usize,
-        fam_dl: Family,
         tp: bool,
         x: &BwdDev,
         with_dw: bool,
     ) -> Result<(TileConfig, TileConfig, TileConfig)> {
-        let BwdDev { p, sc, h, w, labels, lse, gl, ent } = *x;
+        let p = x.p;
+        let (h, w) = (x.x.h, x.x.w);
+        let fam_dl = if x.g.ent.is_some() { Family::BwdDlogitsEnt } else { Family::BwdDlogits };
         let choice = if with_dw { choice } else { BwdConfigs { dw: Choice::Fallback, ..choice } };
         let stride = stride_of(chunk);
+        let whole = Chunk { begin: 0, width: chunk, stride };
         // The keys: the caller's token count. The trials, in table mode: its first rows only,
         // as the forward's (`crate::fwd::TRIAL_ROWS`): 32768 rows are already two waves of
         // tiles, and the GEMMs' time per row (or, for dW, per k step) does not change beyond
@@ -332,13 +310,16 @@ impl LmHead {
         let chunk_problem = Problem::new(p.t, chunk, p.d);
         let rows = if self.tuner.mode() == crate::tune::Mode::Table { p.t.min(crate::fwd::TRIAL_ROWS) } else { p.t };
         let p = Problem::new(rows, p.v, p.d);
-        let (h, lse) = (&h.sub(0, p.t * p.d, 2)?, &lse.sub(0, p.t, 4)?);
-        let labels = &Labels { dev: labels.dev.sub(0, p.t, labels.elem())?, kind: labels.kind };
-        let gl = gl.map(|g| g.sub(0, p.t, 4)).transpose()?;
-        let gl = gl.as_ref();
-        let ent = ent.map(|(e, g)| Ok::<_, Error>((e.sub(0, p.t, 4)?, g.sub(0, p.t, 4)?))).transpose()?;
-        let ent = ent.as_ref().map(|(e, g)| (e, g));
-        let dims = Dims { t: p.t, v: p.v, d: p.d };
+        let h = &h.sub(0, p.t * p.d, 2)?;
+        let labels = &Labels { dev: x.x.labels.dev.sub(0, p.t, x.x.labels.elem())?, kind: x.x.labels.kind };
+        let lse = &x.g.lse.sub(0, p.t, 4)?;
+        let gl = x.g.grad_logprob.map(|g| g.sub(0, p.t, 4)).transpose()?;
+        let ent = x.g.ent.map(|(e, g)| Ok::<_, Error>((e.sub(0, p.t, 4)?, g.sub(0, p.t, 4)?))).transpose()?;
+        let x = &BwdDev {
+            p,
+            x: LogitsIn { dims: Dims { t: p.t, v: p.v, d: p.d }, sc: x.x.sc, h, w, labels },
+            g: DlogitsIn { lse, grad_logprob: gl.as_ref(), ent: ent.as_ref().map(|(e, g)| (e, g)) },
+        };
         let needs_tuning = self.tuner.enabled()
             && [(fam_dl, choice.dlogits), (Family::BwdDh, choice.dh), (Family::BwdDw, choice.dw)]
                 .iter()
@@ -358,14 +339,14 @@ impl LmHead {
             let (st, _, _) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
             let ms = crate::tune::bench::time_ms(stream, || {
                 let sd = dev_out(&mut *st, stream, "tuning staging")?;
-                launch::bwd_dlogits(&self.gpu, stream, cfg, dims, sc, (0, chunk, stride), h, w, labels, lse, gl, ent, &sd)
+                launch::bwd_dlogits(&self.gpu, stream, cfg, &x.x, whole, &x.g, &sd)
             })?;
             Ok(crate::tune::Trial { ms, check: sample_dtoh(stream, &*st, "tuning staging", |x| x.to_f64())? })
         })?;
         // The GEMM trials read the staging buffer the fallback d-logits left in scratch.
         if let Some((st, _, _)) = scratch.as_mut() {
             let sd = dev_out(&mut *st, stream, "tuning staging")?;
-            launch::bwd_dlogits(&self.gpu, stream, cfg_dl, dims, sc, (0, chunk, stride), h, w, labels, lse, gl, ent, &sd)?;
+            launch::bwd_dlogits(&self.gpu, stream, cfg_dl, &x.x, whole, &x.g, &sd)?;
         }
         let cfg_dh = self.tuner.pick(&TuneKey::new(Family::BwdDh, chunk_problem, tp), choice.dh, &mut |cfg| {
             let (st, acc, _) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
@@ -450,13 +431,15 @@ impl Gemms<'_> {
     ) -> Result<()> {
         let (p, stride) = (self.p, self.stride);
         let w_chunk = self.w.sub(c0 * p.d, cw * p.d, 2)?;
-        launch::bwd_gemm(self.gpu, self.stream, Family::BwdDh, cfg, (p.t, p.d, cw), (staging, stride), (&w_chunk, p.d), acc, out, mode)
+        let g = GemmIn { m: p.t, n: p.d, k: cw, a: staging, a_stride: stride, b: &w_chunk, b_stride: p.d };
+        launch::bwd_gemm(self.gpu, self.stream, Family::BwdDh, cfg, &g, &GemmC { acc, out, mode })
     }
 
     /// `dW_chunk = staging[:, :cw]ᵀ · h` into `out` (`[cw][d]`).
     fn dw(&self, cfg: TileConfig, cw: usize, staging: &Dev, out: &Dev, mode: GemmOut) -> Result<()> {
         let (p, stride) = (self.p, self.stride);
-        launch::bwd_gemm(self.gpu, self.stream, Family::BwdDw, cfg, (cw, p.d, p.t), (staging, stride), (self.h, p.d), None, Some(out), mode)
+        let g = GemmIn { m: cw, n: p.d, k: p.t, a: staging, a_stride: stride, b: self.h, b_stride: p.d };
+        launch::bwd_gemm(self.gpu, self.stream, Family::BwdDw, cfg, &g, &GemmC { acc: None, out: Some(out), mode })
     }
 }
 

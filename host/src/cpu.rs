@@ -10,6 +10,27 @@ use crate::fwd::FwdOptions;
 use crate::tp::{ReduceOp, Shard};
 use crate::validate::temperature as check_temperature;
 
+/// The inputs of a CPU call: `h [t][d]` and `w [v][d]` in bf16 (under tensor parallelism, this
+/// rank's vocab rows), the global labels `[t]`, and the shape.
+#[derive(Clone, Copy, Debug)]
+pub struct CpuInputs<'a> {
+    pub h: &'a [half::bf16],
+    pub w: &'a [half::bf16],
+    pub labels: &'a [i64],
+    pub problem: Problem,
+}
+
+/// What a CPU backward reads besides its inputs, `[t]` each: the forward's `lse` and `entropy`
+/// (the entropy is needed with `grad_entropy`), and the upstream gradients of log-prob and
+/// entropy (either may be absent).
+#[derive(Clone, Copy, Debug)]
+pub struct CpuGrads<'a> {
+    pub lse: &'a [f32],
+    pub entropy: Option<&'a [f32]>,
+    pub grad_logprob: Option<&'a [f32]>,
+    pub grad_entropy: Option<&'a [f32]>,
+}
+
 /// Forward outputs on the host.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CpuFwd {
@@ -29,15 +50,8 @@ fn bits(x: &[half::bf16]) -> Vec<u16> {
     x.iter().map(|b| b.to_bits()).collect()
 }
 
-fn validate(
-    h: &[half::bf16],
-    w: &[half::bf16],
-    labels: &[i64],
-    p: Problem,
-    shard: Shard,
-    temperature: f32,
-    ignore_index: i64,
-) -> Result<()> {
+fn validate(x: &CpuInputs, shard: Shard, temperature: f32, ignore_index: i64) -> Result<()> {
+    let CpuInputs { h, w, labels, problem: p } = *x;
     p.check()?;
     shard.check(p.v)?;
     check_temperature(temperature)?;
@@ -75,29 +89,18 @@ fn inputs<'a>(
 }
 
 /// Forward on the CPU (`entropy`: also return the entropy).
-pub fn forward(h: &[half::bf16], w: &[half::bf16], labels: &[i64], p: Problem, opts: &FwdOptions, entropy: bool) -> Result<CpuFwd> {
-    let shard = Shard::whole(p.v);
-    validate(h, w, labels, p, shard, opts.temperature, opts.ignore_index)?;
-    let (hb, wb) = (bits(h), bits(w));
-    let r = reference::forward(&inputs(&hb, &wb, labels, p, shard, opts.temperature, opts.ignore_index));
+pub fn forward(x: &CpuInputs, opts: &FwdOptions, entropy: bool) -> Result<CpuFwd> {
+    let shard = Shard::whole(x.problem.v);
+    validate(x, shard, opts.temperature, opts.ignore_index)?;
+    let (hb, wb) = (bits(x.h), bits(x.w));
+    let r = reference::forward(&inputs(&hb, &wb, x.labels, x.problem, shard, opts.temperature, opts.ignore_index));
     let f = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<_>>();
     Ok(CpuFwd { logprob: f(&r.logprob), lse: f(&r.lse), entropy: entropy.then(|| f(&r.entropy)) })
 }
 
 /// Backward on the CPU: `(dh [t][d], dW [v][d])` in f32.
-#[allow(clippy::too_many_arguments)]
-pub fn backward(
-    h: &[half::bf16],
-    w: &[half::bf16],
-    labels: &[i64],
-    p: Problem,
-    lse: &[f32],
-    entropy: Option<&[f32]>,
-    grad_logprob: Option<&[f32]>,
-    grad_entropy: Option<&[f32]>,
-    opts: &BwdOptions,
-) -> Result<(Vec<f32>, Vec<f32>)> {
-    let r = backward_shard(h, w, labels, p, Shard::whole(p.v), lse, entropy, grad_logprob, grad_entropy, opts)?;
+pub fn backward(x: &CpuInputs, g: &CpuGrads, opts: &BwdOptions) -> Result<(Vec<f32>, Vec<f32>)> {
+    let r = backward_shard(x, Shard::whole(x.problem.v), g, opts)?;
     Ok((to_f32(r.dh), to_f32(r.dw)))
 }
 
@@ -107,20 +110,10 @@ fn to_f32(v: Vec<f64>) -> Vec<f32> {
 
 /// The backward over one vocab shard in f64: the shard's `dW` rows and its partial `dh` (the
 /// whole `dh` for the whole vocabulary).
-#[allow(clippy::too_many_arguments)]
-fn backward_shard(
-    h: &[half::bf16],
-    w: &[half::bf16],
-    labels: &[i64],
-    p: Problem,
-    shard: Shard,
-    lse: &[f32],
-    entropy: Option<&[f32]>,
-    grad_logprob: Option<&[f32]>,
-    grad_entropy: Option<&[f32]>,
-    opts: &BwdOptions,
-) -> Result<reference::BwdRef> {
-    validate(h, w, labels, p, shard, opts.temperature, opts.ignore_index)?;
+fn backward_shard(x: &CpuInputs, shard: Shard, g: &CpuGrads, opts: &BwdOptions) -> Result<reference::BwdRef> {
+    let CpuGrads { lse, entropy, grad_logprob, grad_entropy } = *g;
+    let p = x.problem;
+    validate(x, shard, opts.temperature, opts.ignore_index)?;
     check_len("lse", lse.len(), p.t)?;
     if grad_entropy.is_some() && entropy.is_none() {
         return Err(Error::Invalid("an entropy gradient needs the entropy saved by the forward".into()));
@@ -130,8 +123,8 @@ fn backward_shard(
             check_len(what, x.len(), p.t)?;
         }
     }
-    let (hb, wb) = (bits(h), bits(w));
-    let inp = inputs(&hb, &wb, labels, p, shard, opts.temperature, opts.ignore_index);
+    let (hb, wb) = (bits(x.h), bits(x.w));
+    let inp = inputs(&hb, &wb, x.labels, p, shard, opts.temperature, opts.ignore_index);
     let f64s = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<_>>();
     let lse = f64s(lse);
     let ent = entropy.map(f64s).unwrap_or_else(|| vec![0.0; p.t]);
@@ -152,18 +145,9 @@ pub trait HostComm {
 /// vocab rows `[shard.v_begin, shard.v_begin + p.v)`, labels are global. Each row's base-2
 /// state `(m, s, t)` and label logit over the shard; all-reduce MAX of `m`; rescale; all-reduce
 /// SUM of `(s, t, z_label)`; finish. Every rank returns the same outputs.
-#[allow(clippy::too_many_arguments)]
-pub fn forward_tp(
-    comm: &dyn HostComm,
-    h: &[half::bf16],
-    w: &[half::bf16],
-    labels: &[i64],
-    p: Problem,
-    shard: Shard,
-    opts: &FwdOptions,
-    entropy: bool,
-) -> Result<CpuFwd> {
-    validate(h, w, labels, p, shard, opts.temperature, opts.ignore_index)?;
+pub fn forward_tp(comm: &dyn HostComm, x: &CpuInputs, shard: Shard, opts: &FwdOptions, entropy: bool) -> Result<CpuFwd> {
+    validate(x, shard, opts.temperature, opts.ignore_index)?;
+    let CpuInputs { h, w, labels, problem: p } = *x;
     let (hb, wb) = (bits(h), bits(w));
     let parts = reference::fwd::shard_partials(&inputs(&hb, &wb, labels, p, shard, opts.temperature, opts.ignore_index));
     let t = p.t;
@@ -192,22 +176,15 @@ pub fn forward_tp(
 /// The tensor-parallel backward on the CPU: `lse` and `entropy` are the global values from
 /// [`forward_tp`]. Returns the full `dh` (the ranks' partial sums, all-reduced with SUM when
 /// `reduce_dh`, else this rank's partial sum) and this shard's `dW` rows, in f32.
-#[allow(clippy::too_many_arguments)]
 pub fn backward_tp(
     comm: &dyn HostComm,
-    h: &[half::bf16],
-    w: &[half::bf16],
-    labels: &[i64],
-    p: Problem,
+    x: &CpuInputs,
     shard: Shard,
-    lse: &[f32],
-    entropy: Option<&[f32]>,
-    grad_logprob: Option<&[f32]>,
-    grad_entropy: Option<&[f32]>,
+    g: &CpuGrads,
     opts: &BwdOptions,
     reduce_dh: bool,
 ) -> Result<(Vec<f32>, Vec<f32>)> {
-    let mut r = backward_shard(h, w, labels, p, shard, lse, entropy, grad_logprob, grad_entropy, opts)?;
+    let mut r = backward_shard(x, shard, g, opts)?;
     if reduce_dh {
         comm.all_reduce(&mut r.dh, ReduceOp::Sum)?;
     }

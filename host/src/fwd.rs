@@ -13,8 +13,8 @@ use lmhead_core::split;
 use lmhead_core::Problem;
 
 use crate::error::{Context as _, Error, Result};
-use crate::launch::{self, dev_in, dev_out, Dev, Dims, Labels, MergeOuts, MergeStep, Scalars};
-use crate::tp::{Communicator, ReduceOp, Shard};
+use crate::launch::{self, dev_in, dev_out, Dims, Labels, LogitsIn, MergeOuts, MergeRows, MergeStep, Scalars};
+use crate::tp::{Communicator, Shard};
 use crate::tune::{Choice, Mode, TuneKey};
 use crate::validate;
 use crate::{bf16, LabelType, LmHead};
@@ -98,22 +98,9 @@ impl LmHead {
         self.forward_impl(stream, x, Shard::whole(x.problem.v), None, opts, out)
     }
 
-    /// The forward under vocab-parallel tensor parallelism: `x.w` is this rank's shard (rows
-    /// `[shard.v_begin, shard.v_begin + x.problem.v)`), labels are global. Every rank of `comm`
-    /// must call it; every rank ends with the full lse, log-prob and entropy (see [`crate::tp`]).
-    pub fn forward_tp<L: LabelType>(
-        &self,
-        comm: &dyn Communicator,
-        stream: &Arc<CudaStream>,
-        x: &FwdInputs<'_, L>,
-        shard: Shard,
-        opts: &FwdOptions,
-        out: FwdOutputs<'_>,
-    ) -> Result<FwdReport> {
-        self.forward_impl(stream, x, shard, Some(comm), opts, out)
-    }
-
-    fn forward_impl<L: LabelType>(
+    /// The forward on `shard` of the vocabulary; with `comm`, the tensor-parallel one
+    /// ([`LmHead::forward_tp`], whose steps are in [`crate::tp`]).
+    pub(crate) fn forward_impl<L: LabelType>(
         &self,
         stream: &Arc<CudaStream>,
         x: &FwdInputs<'_, L>,
@@ -149,22 +136,23 @@ impl LmHead {
         let inv_temp = validate::fwd(&call, opts)?;
         let sc = Scalars { inv_temp, ignore_index: opts.ignore_index, v_begin: shard.v_begin as i64 };
         let dims = Dims { t: p.t, v: p.v, d: p.d };
+        let x = LogitsIn { dims, sc, h: &h, w: &w, labels: &labels };
         let mut ws = self.call_ws();
         let ws = &mut *ws;
         if opts.check_labels {
             self.check_labels(ws, stream, &labels, p.t, shard.v_total, opts.ignore_index)?;
         }
         if opts.naive {
-            launch::naive_fwd(&self.gpu, stream, dims, sc, &h, &w, &labels, &logprob, &lse, entropy.as_ref())?;
+            launch::naive_fwd(&self.gpu, stream, &x, &logprob, &lse, entropy.as_ref())?;
             return Ok(FwdReport { config: None, n_splits: 0 });
         }
         let family = if entropy.is_some() { Family::FwdEnt } else { Family::Fwd };
-        let cfg = self.fwd_config(stream, family, opts.config, p, sc, comm.is_some(), (&h, &w, &labels))?;
+        let cfg = self.fwd_config(stream, family, opts.config, p, &x, comm.is_some())?;
         let plan = self.plan_split(family, cfg, p)?;
         let n_splits = {
             let partials = ws.partials.get(&mut ws.src, stream, plan.n_splits as usize * p.t)?;
             let pd = dev_out(partials, stream, "partials")?;
-            launch::fwd_mainloop(&self.gpu, stream, entropy.is_some(), cfg, plan, dims, sc, &h, &w, &labels, &pd)?
+            launch::fwd_mainloop(&self.gpu, stream, &x, entropy.is_some(), cfg, plan, &pd)?
         };
         let (src, partials, status, row_state) = (&mut ws.src, &mut ws.partials, &mut ws.status, &mut ws.row_state);
         // The merge still flags bad labels in this word; nothing reads it any more (the label
@@ -172,25 +160,24 @@ impl LmHead {
         let status = status.get(src, stream, 1)?;
         let partials = partials.get(src, stream, n_splits as usize * p.t)?;
         let pd = dev_in(&*partials, stream, "partials")?;
-        let vals = (shard.v_total as i64, shard.v_begin as i64, opts.ignore_index);
+        let rows = MergeRows {
+            t: p.t,
+            n_splits,
+            v_total: shard.v_total as i64,
+            v_begin: shard.v_begin as i64,
+            ignore_index: opts.ignore_index,
+            labels: &labels,
+            partials: Some(&pd),
+            row_state: None,
+        };
         {
             let sd = dev_out(status, stream, "status")?;
             let outs = MergeOuts { logprob: &logprob, lse: &lse, entropy: entropy.as_ref(), status: &sd };
             match comm {
-                None => launch::merge(&self.gpu, stream, MergeStep::Full, p.t, n_splits, vals, &labels, Some(&pd), None, Some(outs))?,
+                None => launch::merge(&self.gpu, stream, MergeStep::Full, &rows, Some(outs))?,
                 Some(comm) => {
-                    // Tensor parallel: local row state, MAX of the maxima, rescale, SUM of
-                    // (s, z_label[, t]), finish (see crate::tp).
                     let rs = dev_out(row_state.get(src, stream, 5 * p.t)?, stream, "row states")?;
-                    let step = |s: MergeStep, o: Option<MergeOuts>| {
-                        launch::merge(&self.gpu, stream, s, p.t, n_splits, vals, &labels, Some(&pd), Some(&rs), o)
-                    };
-                    step(MergeStep::RowState, None)?;
-                    comm.all_reduce(stream, &rs.sub(p.t, p.t, 4)?, ReduceOp::Max)?;
-                    step(MergeStep::Rescale, None)?;
-                    let slots = if entropy.is_some() { 3 } else { 2 };
-                    comm.all_reduce(stream, &rs.sub(2 * p.t, slots * p.t, 4)?, ReduceOp::Sum)?;
-                    step(MergeStep::Finish, Some(outs))?;
+                    crate::tp::merge_tp(&self.gpu, stream, comm, &MergeRows { row_state: Some(&rs), ..rows }, outs)?;
                 }
             }
         }
@@ -245,25 +232,24 @@ impl LmHead {
 
     /// Choose the forward config (tuning on first use of a key when `choice` is `Auto`). Trials
     /// write only the tuner's own scratch (partials and outputs), never the caller's buffers.
-    #[allow(clippy::too_many_arguments)]
     fn fwd_config(
         &self,
         stream: &Arc<CudaStream>,
         family: Family,
         choice: Choice,
         p: Problem,
-        sc: Scalars,
+        x: &LogitsIn,
         tp: bool,
-        (h, w, labels): (&Dev, &Dev, &Labels),
     ) -> Result<TileConfig> {
         let key = TuneKey::new(family, p, tp);
+        let sc = x.sc;
         // Table mode: trials run on a slice, the first rows of h and of W (labels beyond the
         // slice's vocabulary find no column, identically for every candidate). Exhaustive
         // tuning (how the table is made) times the real shape.
         let p = if self.tuner.mode() == Mode::Table { trial_slice(p) } else { p };
-        let (h, w) = (&h.sub(0, p.t * p.d, 2)?, &w.sub(0, p.v * p.d, 2)?);
-        let labels = &Labels { dev: labels.dev.sub(0, p.t, labels.elem())?, kind: labels.kind };
-        let dims = Dims { t: p.t, v: p.v, d: p.d };
+        let (h, w) = (&x.h.sub(0, p.t * p.d, 2)?, &x.w.sub(0, p.v * p.d, 2)?);
+        let labels = &Labels { dev: x.labels.dev.sub(0, p.t, x.labels.elem())?, kind: x.labels.kind };
+        let x = &LogitsIn { dims: Dims { t: p.t, v: p.v, d: p.d }, sc, h, w, labels };
         self.tuner.pick(&key, choice, &mut |cfg| {
             let plan = self.plan_split(family, cfg, p)?;
             let n = plan.n_splits as usize;
@@ -278,23 +264,22 @@ impl LmHead {
                        status: &mut cudarc::driver::CudaSlice<u32>|
              -> Result<()> {
                 let pd = dev_out(partials, stream, "tuning partials")?;
-                launch::fwd_mainloop(&self.gpu, stream, family == Family::FwdEnt, cfg, plan, dims, sc, h, w, labels, &pd)?;
+                launch::fwd_mainloop(&self.gpu, stream, x, family == Family::FwdEnt, cfg, plan, &pd)?;
                 let od = dev_out(outs, stream, "tuning outputs")?;
                 let (lp, lse, ent) = (od.sub(0, p.t, 4)?, od.sub(p.t, p.t, 4)?, od.sub(2 * p.t, p.t, 4)?);
                 let sd = dev_out(status, stream, "tuning status")?;
                 let mo = MergeOuts { logprob: &lp, lse: &lse, entropy: (family == Family::FwdEnt).then_some(&ent), status: &sd };
-                launch::merge(
-                    &self.gpu,
-                    stream,
-                    MergeStep::Full,
-                    p.t,
-                    n as u32,
-                    (p.v as i64, sc.v_begin, sc.ignore_index),
-                    labels,
-                    Some(&pd),
-                    None,
-                    Some(mo),
-                )
+                let rows = MergeRows {
+                    t: p.t,
+                    n_splits: n as u32,
+                    v_total: p.v as i64,
+                    v_begin: sc.v_begin,
+                    ignore_index: sc.ignore_index,
+                    labels: x.labels,
+                    partials: Some(&pd),
+                    row_state: None,
+                };
+                launch::merge(&self.gpu, stream, MergeStep::Full, &rows, Some(mo))
             };
             let ms = crate::tune::bench::time_ms(stream, || run(&mut partials, &mut outs, &mut status))?;
             let check = stream.clone_dtoh(&outs).during(|| "reading tuning outputs".into())?;

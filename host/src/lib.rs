@@ -12,23 +12,44 @@
 //!
 //! Every call validates its shapes, lengths, alignment, options and (by default) labels, and
 //! answers bad input with an [`Error`], never a panic or a plausible wrong number.
+//!
+//! The public API is what this root re-exports, and the modules [`cpu`], [`tp`] and [`tune`].
+//! Everything else is internal. With the cargo feature `testing` (enabled by the workspace's
+//! tests and benches and by the Python bindings) the internals those need are public too:
+//! `launch` (the launches, for the unit-kernel tests), `ptx` (the embedded modules), `validate`
+//! (the checks, on plain descriptions) and `testing` (upload, download, poison); they are not
+//! part of the stable API.
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
-pub mod borrowed;
-pub mod bwd;
-pub mod cpu;
-pub mod device;
-pub mod error;
-pub mod fwd;
-pub mod launch;
-mod plan;
-pub mod ptx;
-pub mod testing;
-pub mod tp;
+/// Declares internal modules: public with the `testing` feature, crate-private without it (then
+/// what only the tests reach is unused, so dead code is allowed there).
+macro_rules! internal_mod {
+    ($($m:ident;)*) => {$(
+        #[cfg(feature = "testing")]
+        pub mod $m;
+        #[cfg(not(feature = "testing"))]
+        #[allow(dead_code)]
+        mod $m;
+    )*};
+}
 
+mod borrowed;
+mod bwd;
+pub mod cpu;
+mod device;
+mod error;
+mod fwd;
+mod plan;
+pub mod tp;
 pub mod tune;
-pub mod validate;
-pub mod workspace;
+mod workspace;
+
+internal_mod! {
+    launch;
+    ptx;
+    testing;
+    validate;
+}
 
 use std::sync::{Arc, Mutex};
 
@@ -40,9 +61,9 @@ pub use lmhead_core::config::{Mainloop, Store};
 pub use lmhead_core::{Family, Problem, TileConfig, TokenBucket};
 
 pub use borrowed::{borrowed_stream, Borrowed};
-pub use bwd::{BwdConfigs, BwdInputs, BwdOptions, BwdReport, GradOut};
+pub use bwd::{auto_chunk, BwdConfigs, BwdInputs, BwdOptions, BwdReport, GradOut};
 pub use fwd::{FwdInputs, FwdOptions, FwdOutputs, FwdReport};
-pub use tp::{Communicator, LocalComm, ReduceDh, Shard};
+pub use tp::{Communicator, LocalComm, ReduceDh, Shard, TpBackward};
 pub use tune::{Choice, Tuner};
 pub use workspace::ScratchAlloc;
 

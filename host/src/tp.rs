@@ -39,8 +39,12 @@ use std::time::Duration;
 use cudarc::driver::CudaStream;
 
 use crate::borrowed::Borrowed;
+use crate::device::Gpu;
 use crate::error::{Context as _, Error, Result};
-use crate::launch::Dev;
+/// The checked device range a [`Communicator`] reduces in place.
+pub use crate::launch::Dev;
+use crate::launch::{self, MergeOuts, MergeRows, MergeStep};
+use crate::{BwdInputs, BwdOptions, BwdReport, FwdInputs, FwdOptions, FwdOutputs, FwdReport, GradOut, LabelType, LmHead};
 
 /// This rank's vocab range: rows `[v_begin, v_begin + problem.v)` of a vocabulary of `v_total`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -88,6 +92,82 @@ pub enum ReduceDh {
     AllReduce,
     /// Leave each rank's partial sum in its `dh` (the caller reduces, as Megatron-LM does).
     Caller,
+}
+
+/// This rank's part in a tensor-parallel backward ([`LmHead::backward_tp`]): its group, its
+/// vocab shard, and what happens to its partial `dh`.
+#[derive(Clone, Copy)]
+pub struct TpBackward<'a> {
+    pub comm: &'a dyn Communicator,
+    pub shard: Shard,
+    pub reduce: ReduceDh,
+}
+
+impl LmHead {
+    /// The forward under vocab-parallel tensor parallelism: `x.w` is this rank's shard (rows
+    /// `[shard.v_begin, shard.v_begin + x.problem.v)`), labels are global. Every rank of `comm`
+    /// must call it; every rank ends with the full lse, log-prob and entropy (see the module
+    /// docs; the steps after the mainloop are [`merge_tp`]).
+    pub fn forward_tp<L: LabelType>(
+        &self,
+        comm: &dyn Communicator,
+        stream: &Arc<CudaStream>,
+        x: &FwdInputs<'_, L>,
+        shard: Shard,
+        opts: &FwdOptions,
+        out: FwdOutputs<'_>,
+    ) -> Result<FwdReport> {
+        self.forward_impl(stream, x, shard, Some(comm), opts, out)
+    }
+
+    /// The backward under vocab-parallel tensor parallelism: `x.w` is this rank's shard
+    /// (`tp.shard`), `x.lse` and `x.entropy` the *global* values from [`LmHead::forward_tp`].
+    /// `dw` receives this shard's rows; `dh` the full gradient (`ReduceDh::AllReduce`, a SUM over
+    /// `tp.comm`, [`reduce_dh`]) or this rank's partial sum (`ReduceDh::Caller`).
+    pub fn backward_tp<L: LabelType>(
+        &self,
+        tp: TpBackward<'_>,
+        stream: &Arc<CudaStream>,
+        x: &BwdInputs<'_, L>,
+        opts: &BwdOptions,
+        dh: GradOut<'_>,
+        dw: Option<GradOut<'_>>,
+    ) -> Result<BwdReport> {
+        self.backward_impl(stream, x, Some(tp), opts, dh, dw)
+    }
+}
+
+/// The forward's merge under tensor parallelism, from this rank's partials (`rows.partials`) to
+/// the outputs: the local row states into `rows.row_state` (`[5][t]`), all-reduce MAX of the
+/// maxima, rescale, all-reduce SUM of `(s, z_label[, t])` (`t` only with entropy), finish.
+pub(crate) fn merge_tp(gpu: &Gpu, stream: &Arc<CudaStream>, comm: &dyn Communicator, rows: &MergeRows, outs: MergeOuts) -> Result<()> {
+    let t = rows.t;
+    let rs = rows.row_state.ok_or_else(|| Error::Config("merge: row state missing".into()))?;
+    let step = |s: MergeStep, o: Option<MergeOuts>| launch::merge(gpu, stream, s, rows, o);
+    step(MergeStep::RowState, None)?;
+    comm.all_reduce(stream, &rs.sub(t, t, 4)?, ReduceOp::Max)?;
+    step(MergeStep::Rescale, None)?;
+    let slots = if outs.entropy.is_some() { 3 } else { 2 };
+    comm.all_reduce(stream, &rs.sub(2 * t, slots * t, 4)?, ReduceOp::Sum)?;
+    step(MergeStep::Finish, Some(outs))
+}
+
+/// The backward's `dh` under tensor parallelism: every rank's partial sum in the f32 accumulator
+/// `acc` (`n` elements), summed across `comm` in f32, then rounded into `bf16_out` when `dh` is
+/// bf16 (an f32 `dh` is the accumulator itself).
+pub(crate) fn reduce_dh(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    comm: &dyn Communicator,
+    n: usize,
+    acc: &Dev,
+    bf16_out: Option<&Dev>,
+) -> Result<()> {
+    comm.all_reduce(stream, acc, ReduceOp::Sum)?;
+    if let Some(out) = bf16_out {
+        launch::cast_f32_bf16(gpu, stream, n, acc, out)?;
+    }
+    Ok(())
 }
 
 /// The reduction of an all-reduce.

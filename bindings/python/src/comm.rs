@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use lmhead::cudarc::driver::CudaStream;
-use lmhead::launch::Dev;
+use lmhead::tp::Dev;
 use lmhead::tp::ReduceOp;
 use lmhead::{Communicator, Error, Result};
 use pyo3::prelude::*;

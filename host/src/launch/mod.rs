@@ -12,17 +12,20 @@
 //! Files by job: `buffers` (the checked buffer arguments every launch takes), `tmap` (tensor maps
 //! of the sm90 configs), `tiles` (the tuned tile kernels: forward mainloop, d-logits, backward
 //! GEMMs, and their launch plans), `rows` (per-row kernels: label check, merges, cast, the naive
-//! forward), `units` (unit kernels for the GPU tests).
+//! forward), `units` (unit kernels for the GPU tests, with the `testing` feature).
 
 mod buffers;
 mod rows;
 mod tiles;
 mod tmap;
+// The unit kernels exist for the GPU tests only.
+#[cfg(feature = "testing")]
 mod units;
 
 pub use buffers::*;
 pub use rows::*;
 pub use tiles::*;
+#[cfg(feature = "testing")]
 pub use units::*;
 
 use cudarc::driver::{CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};

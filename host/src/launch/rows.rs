@@ -5,8 +5,7 @@ use cudarc::driver::CudaStream;
 use lmhead_core::config::fixed;
 use lmhead_core::params::{CastParams, MergeParams, NaiveParams};
 
-use super::tiles::check_hw;
-use super::{launch, Dev, Dims, Labels, Scalars};
+use super::{launch, Dev, Labels, LogitsIn};
 use crate::device::Gpu;
 use crate::error::{Error, Result};
 
@@ -31,20 +30,24 @@ pub struct MergeOuts<'a, 'b> {
     pub status: &'b Dev<'a>,
 }
 
-/// One per-row merge step over `t` rows.
-#[allow(clippy::too_many_arguments)]
-pub fn merge(
-    gpu: &Gpu,
-    stream: &CudaStream,
-    step: MergeStep,
-    t: usize,
-    n_splits: u32,
-    (v_total, v_begin, ignore_index): (i64, i64, i64),
-    labels: &Labels,
-    partials: Option<&Dev>,
-    row_state: Option<&Dev>,
-    outs: Option<MergeOuts>,
-) -> Result<()> {
+/// What the merge steps read: `t` rows, each with `n_splits` partials (steps that read them),
+/// its label and the vocab numbering (`v_total` ids, this shard from `v_begin`,
+/// `ignore_index`), and the tensor-parallel row states `[5][t]` (steps that use them).
+#[derive(Clone, Copy)]
+pub struct MergeRows<'a, 'b> {
+    pub t: usize,
+    pub n_splits: u32,
+    pub v_total: i64,
+    pub v_begin: i64,
+    pub ignore_index: i64,
+    pub labels: &'b Labels<'a>,
+    pub partials: Option<&'b Dev<'a>>,
+    pub row_state: Option<&'b Dev<'a>>,
+}
+
+/// One per-row merge step over `rows.t` rows.
+pub fn merge(gpu: &Gpu, stream: &CudaStream, step: MergeStep, rows: &MergeRows, outs: Option<MergeOuts>) -> Result<()> {
+    let MergeRows { t, n_splits, v_total, v_begin, ignore_index, labels, partials, row_state } = *rows;
     let mut p = MergeParams {
         t: t as u32,
         n_splits,
@@ -115,20 +118,9 @@ pub fn cast_f32_bf16(gpu: &Gpu, stream: &CudaStream, n: usize, src: &Dev, dst: &
 }
 
 /// Level 00: the naive forward (one block per token).
-#[allow(clippy::too_many_arguments)]
-pub fn naive_fwd(
-    gpu: &Gpu,
-    stream: &CudaStream,
-    dims: Dims,
-    sc: Scalars,
-    h: &Dev,
-    w: &Dev,
-    labels: &Labels,
-    logprob: &Dev,
-    lse: &Dev,
-    entropy: Option<&Dev>,
-) -> Result<()> {
-    let (hp, wp, lp) = check_hw(h, w, labels, dims)?;
+pub fn naive_fwd(gpu: &Gpu, stream: &CudaStream, x: &LogitsIn, logprob: &Dev, lse: &Dev, entropy: Option<&Dev>) -> Result<()> {
+    let (dims, sc, labels) = (x.dims, x.sc, x.labels);
+    let (hp, wp, lp) = x.check()?;
     if sc.v_begin != 0 {
         return Err(Error::Config("the naive kernel has no tensor-parallel mode".into()));
     }

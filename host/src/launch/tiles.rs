@@ -37,32 +37,43 @@ pub struct Dims {
     pub d: usize,
 }
 
-pub(super) fn check_hw(h: &Dev, w: &Dev, labels: &Labels, dims: Dims) -> Result<(u64, u64, u64)> {
-    // cp.async reads 16-byte chunks: rows of h and W must start 16-byte aligned (d % 8 == 0 is
-    // checked by the shape check; the base address here).
-    let hp = h.check_exact(dims.t * dims.d, 16)?;
-    let wp = w.check_exact(dims.v * dims.d, 16)?;
-    let lp = labels.dev.check_exact(dims.t, labels.elem())?;
-    Ok((hp, wp, lp))
+/// The operands every logits kernel reads: the shape, the scalars, `h [t][d]`, `W [v][d]` and
+/// the labels `[t]`.
+#[derive(Clone, Copy)]
+pub struct LogitsIn<'a, 'b> {
+    pub dims: Dims,
+    pub sc: Scalars,
+    pub h: &'b Dev<'a>,
+    pub w: &'b Dev<'a>,
+    pub labels: &'b Labels<'a>,
+}
+
+impl LogitsIn<'_, '_> {
+    /// The checked addresses of `h`, `W` and the labels.
+    pub(super) fn check(&self) -> Result<(u64, u64, u64)> {
+        let dims = self.dims;
+        // cp.async reads 16-byte chunks: rows of h and W must start 16-byte aligned (d % 8 == 0
+        // is checked by the shape check; the base address here).
+        let hp = self.h.check_exact(dims.t * dims.d, 16)?;
+        let wp = self.w.check_exact(dims.v * dims.d, 16)?;
+        let lp = self.labels.dev.check_exact(dims.t, self.labels.elem())?;
+        Ok((hp, wp, lp))
+    }
 }
 
 /// The forward mainloop: writes `partials[split][row]` for every split of `plan` and row `< t`.
-#[allow(clippy::too_many_arguments)]
 pub fn fwd_mainloop(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
+    x: &LogitsIn,
     entropy: bool,
     cfg: TileConfig,
     plan: lmhead_core::split::SplitPlan,
-    dims: Dims,
-    sc: Scalars,
-    h: &Dev,
-    w: &Dev,
-    labels: &Labels,
     partials: &Dev,
 ) -> Result<u32> {
     let family = if entropy { Family::FwdEnt } else { Family::Fwd };
-    let (hp, wp, lp) = check_hw(h, w, labels, dims)?;
+    let (dims, sc, labels) = (x.dims, x.sc, x.labels);
+    let (hp, wp, lp) = x.check()?;
     let v_tiles = dims.v.div_ceil(cfg.bn as usize) as u32;
     let tiles_per_split = plan.tiles_per_split;
     if tiles_per_split == 0 {
@@ -99,25 +110,38 @@ pub fn fwd_mainloop(
     Ok(n_splits)
 }
 
-/// Backward d-logits of the chunk `[chunk_begin, chunk_begin + chunk)` of the local vocab into
-/// `staging [t][stride]`.
-#[allow(clippy::too_many_arguments)]
+/// A vocab chunk of the backward: columns `[begin, begin + width)` of the local vocab, staged
+/// with `stride` columns per row.
+#[derive(Clone, Copy, Debug)]
+pub struct Chunk {
+    pub begin: usize,
+    pub width: usize,
+    pub stride: usize,
+}
+
+/// What the d-logits read besides the logits operands: the forward's `lse [t]`, the upstream
+/// log-prob gradient `[t]`, and for the entropy gradient the pair (gradient, saved entropy).
+#[derive(Clone, Copy)]
+pub struct DlogitsIn<'a, 'b> {
+    pub lse: &'b Dev<'a>,
+    pub grad_logprob: Option<&'b Dev<'a>>,
+    pub ent: Option<(&'b Dev<'a>, &'b Dev<'a>)>,
+}
+
+/// Backward d-logits of `chunk` of the local vocab into `staging [t][chunk.stride]`.
 pub fn bwd_dlogits(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     cfg: TileConfig,
-    dims: Dims,
-    sc: Scalars,
-    (chunk_begin, chunk, stride): (usize, usize, usize),
-    h: &Dev,
-    w: &Dev,
-    labels: &Labels,
-    lse: &Dev,
-    grad_logprob: Option<&Dev>,
-    ent: Option<(&Dev, &Dev)>,
+    x: &LogitsIn,
+    chunk: Chunk,
+    g: &DlogitsIn,
     staging: &Dev,
 ) -> Result<()> {
-    let (hp, wp, lp) = check_hw(h, w, labels, dims)?;
+    let (dims, sc, labels) = (x.dims, x.sc, x.labels);
+    let Chunk { begin: chunk_begin, width: chunk, stride } = chunk;
+    let DlogitsIn { lse, grad_logprob, ent } = *g;
+    let (hp, wp, lp) = x.check()?;
     if chunk == 0 || chunk_begin + chunk > dims.v || stride % 8 != 0 || stride < chunk {
         return Err(Error::Config(format!("bad vocab chunk {chunk_begin}+{chunk} (stride {stride}) of v = {}", dims.v)));
     }
@@ -180,23 +204,33 @@ pub struct GemmOut {
     pub out_f32: bool,
 }
 
+/// The operands of a backward GEMM: `C[m][n] (+)= Σ_k A · B`, A with rows `a_stride` apart and
+/// B `[k][n]` with rows `b_stride` apart.
+#[derive(Clone, Copy)]
+pub struct GemmIn<'a, 'b> {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a: &'b Dev<'a>,
+    pub a_stride: usize,
+    pub b: &'b Dev<'a>,
+    pub b_stride: usize,
+}
+
+/// Where a backward GEMM's sum goes: the f32 accumulator and/or the output, as `mode` says.
+#[derive(Clone, Copy)]
+pub struct GemmC<'a, 'b> {
+    pub acc: Option<&'b Dev<'a>>,
+    pub out: Option<&'b Dev<'a>>,
+    pub mode: GemmOut,
+}
+
 /// `C[m][n] (+)= Σ_k A · B` for the backward, on the operands as stored: `family` is `BwdDh`
 /// (A `[m][k]` K-major) or `BwdDw` (A `[k][m]` M-major, i.e. the staging buffer read
 /// transposed); B is `[k][n]`. `cfg` is an `mma.sync` config or an sm90 one (which reads the
 /// operands in place through tensor maps).
-#[allow(clippy::too_many_arguments)]
-pub fn bwd_gemm(
-    gpu: &Gpu,
-    stream: &Arc<CudaStream>,
-    family: Family,
-    cfg: TileConfig,
-    (m, n, k): (usize, usize, usize),
-    (a, a_stride): (&Dev, usize),
-    (b, b_stride): (&Dev, usize),
-    acc: Option<&Dev>,
-    out: Option<&Dev>,
-    mode: GemmOut,
-) -> Result<()> {
+pub fn bwd_gemm(gpu: &Gpu, stream: &Arc<CudaStream>, family: Family, cfg: TileConfig, g: &GemmIn, c: &GemmC) -> Result<()> {
+    let GemmIn { m, n, k, a, a_stride, b, b_stride } = *g;
     if n % 8 != 0 || a_stride % 8 != 0 || b_stride % 8 != 0 || b_stride < n {
         return Err(Error::Config(format!("gemm needs n, strides multiples of 8 (n {n}, strides {a_stride}, {b_stride})")));
     }
@@ -222,30 +256,25 @@ pub fn bwd_gemm(
         Family::BwdDh => TmaOperand::k_major(a, m, k, a_stride, cfg.bm),
         _ => TmaOperand::mn_major(a, k, m, a_stride),
     };
-    let maps = (a_map, TmaOperand::mn_major(b, k, n, b_stride));
-    launch_gemm(gpu, stream, family, cfg, (m, n, k), (a, a_stride), (b, b_stride), maps, acc, out, mode)
+    launch_gemm(gpu, stream, family, cfg, g, [a_map, TmaOperand::mn_major(b, k, n, b_stride)], c)
 }
 
-/// The launch shared by both GEMM kinds, after each checked its operands (and described them
-/// as tensor maps, which only a TMA config loads through): the C buffers' bounds for `mode`,
-/// then the grid of `(bm × bn)` tiles.
-#[allow(clippy::too_many_arguments)]
+/// The launch shared by both GEMM kinds, after each checked its operands and described them as
+/// tensor maps (`maps`: A, B, whose `ptr` are the checked addresses; only a TMA config loads
+/// through the maps): the C buffers' bounds for `mode`, then the grid of `(bm × bn)` tiles.
 fn launch_gemm(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     family: Family,
     cfg: TileConfig,
-    (m, n, k): (usize, usize, usize),
-    (a, a_stride): (u64, usize),
-    (b, b_stride): (u64, usize),
-    (a_map, b_map): (TmaOperand, TmaOperand),
-    acc: Option<&Dev>,
-    out: Option<&Dev>,
-    mode: GemmOut,
+    g: &GemmIn,
+    maps: [TmaOperand; 2],
+    c: &GemmC,
 ) -> Result<()> {
+    let (GemmIn { m, n, k, a_stride, b_stride, .. }, GemmC { acc, out, mode }) = (*g, *c);
     let mut p = GemmParams {
-        a,
-        b,
+        a: maps[0].ptr,
+        b: maps[1].ptr,
         a_stride: a_stride as u64,
         b_stride: b_stride as u64,
         c_stride: n as u64,
@@ -263,7 +292,7 @@ fn launch_gemm(
     if let Some(o) = out {
         p.c_out = o.check(m * n, if mode.out_f32 { 8 } else { 4 })?;
     }
-    let (maps, tmaps) = tma_maps_for(cfg, stream, &[a_map, b_map])?;
+    let (maps, tmaps) = tma_maps_for(cfg, stream, &maps)?;
     p.tmaps = tmaps;
     let m_tiles = m.div_ceil(cfg.bm as usize) as u32;
     let plan = crate::plan::bwd(gpu, cfg, m_tiles, n.div_ceil(cfg.bn as usize) as u32, k);

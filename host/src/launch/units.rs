@@ -15,7 +15,6 @@ use crate::error::{Error, Result};
 /// Unit kernel `UNIT_TMA_COPY`: the box at `(k0, row0)` (`rows` rows × 64 bf16) of the bf16
 /// matrix `src` (`src_rows` rows of `k` elements, `stride` apart), as the tensor memory
 /// accelerator lays it out in shared memory, written to `out` (`rows · 64` bf16).
-#[allow(clippy::too_many_arguments)]
 pub fn unit_tma_copy(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
