@@ -17,12 +17,12 @@ fn main() {
             // Every (family, mainloop) pair is named here: a new mainloop or family does not
             // compile until it says what each pair builds, and the invalid pairs are refused.
             let (params, call) = match (family, c.mainloop) {
-                (Family::Fwd, MmaSync) => ("LogitsParams", format!("fwd::fwd::<{generics}, false>")),
-                (Family::FwdEnt, MmaSync) => ("LogitsParams", format!("fwd::fwd::<{generics}, true>")),
-                (Family::BwdDlogits, MmaSync) => ("LogitsParams", format!("bwd::dlogits::<{generics}, false>")),
-                (Family::BwdDlogitsEnt, MmaSync) => ("LogitsParams", format!("bwd::dlogits::<{generics}, true>")),
-                (Family::BwdDh, MmaSync) => ("GemmParams", format!("bwd::gemm::<{generics}, true>")),
-                (Family::BwdDw, MmaSync) => ("GemmParams", format!("bwd::gemm::<{generics}, false>")),
+                (Family::Fwd, MmaSync) => ("LogitsParams", format!("sm80::fwd::<{generics}, false>")),
+                (Family::FwdEnt, MmaSync) => ("LogitsParams", format!("sm80::fwd::<{generics}, true>")),
+                (Family::BwdDlogits, MmaSync) => ("LogitsParams", format!("sm80::dlogits::<{generics}, false>")),
+                (Family::BwdDlogitsEnt, MmaSync) => ("LogitsParams", format!("sm80::dlogits::<{generics}, true>")),
+                (Family::BwdDh, MmaSync) => ("GemmParams", format!("sm80::gemm::<{generics}, true>")),
+                (Family::BwdDw, MmaSync) => ("GemmParams", format!("sm80::gemm::<{generics}, false>")),
                 (Family::Fwd, Sm90 { store: Store::Registers }) => ("LogitsParams", format!("sm90::fwd_wg::<{wg}, false>")),
                 (Family::FwdEnt, Sm90 { store: Store::Registers }) => ("LogitsParams", format!("sm90::fwd_wg::<{wg}, true>")),
                 (Family::BwdDlogits, Sm90 { store }) => {

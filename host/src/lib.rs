@@ -61,7 +61,7 @@ pub use lmhead_core::config::{Mainloop, Store};
 pub use lmhead_core::{Family, Problem, TileConfig, TokenBucket};
 
 pub use borrowed::{borrowed_stream, Borrowed};
-pub use bwd::{auto_chunk, BwdConfigs, BwdInputs, BwdOptions, BwdReport, GradOut};
+pub use bwd::{auto_chunk, BwdConfigs, BwdInputs, BwdOptions, BwdReport, GradOut, MAX_AUTO_CHUNK, MIN_AUTO_CHUNK, STAGING_BUDGET_BYTES};
 pub use fwd::{FwdInputs, FwdOptions, FwdOutputs, FwdReport};
 pub use tp::{Communicator, LocalComm, ReduceDh, Shard, TpBackward};
 pub use tune::{Choice, Tuner};
@@ -143,7 +143,7 @@ impl LmHead {
 
     /// Take every later call's scratch memory from `alloc` (fresh each call, forgotten when the
     /// call returns), or, with `None`, from the library's own reused workspace (the default).
-    /// See [`workspace`].
+    /// See [`ScratchAlloc`] for what the allocator must provide.
     pub fn set_scratch(&self, alloc: Option<Arc<dyn ScratchAlloc>>) {
         self.ws.lock().unwrap().set_scratch(alloc);
     }

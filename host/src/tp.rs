@@ -107,7 +107,7 @@ impl LmHead {
     /// The forward under vocab-parallel tensor parallelism: `x.w` is this rank's shard (rows
     /// `[shard.v_begin, shard.v_begin + x.problem.v)`), labels are global. Every rank of `comm`
     /// must call it; every rank ends with the full lse, log-prob and entropy (see the module
-    /// docs; the steps after the mainloop are [`merge_tp`]).
+    /// docs; the steps after the mainloop are `merge_tp` here).
     pub fn forward_tp<L: LabelType>(
         &self,
         comm: &dyn Communicator,
@@ -123,7 +123,7 @@ impl LmHead {
     /// The backward under vocab-parallel tensor parallelism: `x.w` is this rank's shard
     /// (`tp.shard`), `x.lse` and `x.entropy` the *global* values from [`LmHead::forward_tp`].
     /// `dw` receives this shard's rows; `dh` the full gradient (`ReduceDh::AllReduce`, a SUM over
-    /// `tp.comm`, [`reduce_dh`]) or this rank's partial sum (`ReduceDh::Caller`).
+    /// `tp.comm`, `reduce_dh` here) or this rank's partial sum (`ReduceDh::Caller`).
     pub fn backward_tp<L: LabelType>(
         &self,
         tp: TpBackward<'_>,

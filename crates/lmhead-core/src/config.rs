@@ -59,7 +59,7 @@ impl Family {
 }
 
 /// How a kernel computes its tiles: the axis of the tuning space besides the tile shape. Each
-/// variant is a device module of its own (`kernels-gpu/src/mainloop.rs`, `kernels-gpu/src/sm90/`),
+/// variant is a device module of its own (`kernels-gpu/src/sm80/`, `kernels-gpu/src/sm90/`),
 /// and `kernels-gpu/build.rs` matches exhaustively on (family, mainloop), so only valid pairs
 /// can be compiled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

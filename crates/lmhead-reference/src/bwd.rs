@@ -6,7 +6,7 @@
 //! ```
 //!
 //! derived from `∂ℓ/∂z_j = onehot_j − p_j` and `∂H/∂z_j = −p_j (z_j − μ)` (see
-//! `kernels-gpu/src/bwd.rs`); `1/T` is `∂z/∂(h·w)`. Rows labelled `ignore_index` get 0.
+//! `kernels-gpu/src/epilogue/dlogits.rs`); `1/T` is `∂z/∂(h·w)`. Rows labelled `ignore_index` get 0.
 
 use crate::bf16;
 use crate::inputs::Inputs;

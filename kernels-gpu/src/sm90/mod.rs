@@ -14,10 +14,11 @@
 //! (`h`, `[k][n]`) are MN-major tiles loaded as 64-wide slabs and read with `wgmma`'s transpose
 //! bits (`AMN`/`BMN`; [`pipeline::tma_operand`], [`wgmma_k16`]).
 //!
-//! The epilogue folds each 64-column half of a 128-column block with `fwd::fold_tile` (the
+//! The kernels end in the epilogues shared with the `sm80` mainloop (`crate::epilogue`): the
+//! forward folds each 64-column half of a 128-column block with `epilogue::lse::fold_tile` (the
 //! accumulator layout of `m64n128k16` is the `mma.sync` m16n8 layout per 8 columns, one m16 tile
-//! per warp), and the block reduction is `fwd::store_partials` with one warp along N; the
-//! d-logits epilogue can instead store through shared memory by TMA ([`StoreBoxes`]).
+//! per warp), and the block reduction is `epilogue::lse::store_partials` with one warp along N;
+//! the d-logits epilogue can instead store through shared memory by TMA ([`StoreBoxes`]).
 //!
 //! Layout: `pipeline` (the mbarrier ring, the producer's TMA loads and the consumers' K loop,
 //! [`tma_split`] / [`tma_pipeline`]), `wgmma` (accumulators, operand descriptors, the k16 step),
@@ -28,10 +29,11 @@ mod pipeline;
 mod store;
 mod wgmma;
 
-use crate::bwd::{dlogits_pair, row_coeffs, store_dlogits, store_gemm};
-use crate::fwd::{fold_tile, load_label, local_column, store_partials};
+use crate::epilogue::dlogits::{dlogits_pair, row_coeffs, store_dlogits};
+use crate::epilogue::gemm::store_gemm;
+use crate::epilogue::lse::{fold_tile, load_label, local_column, store_partials};
+use crate::epilogue::{Acc, WarpPos};
 use crate::intrinsics;
-use crate::mainloop::{Acc, WarpPos};
 use lmhead_core::config::TMA_STORE_BYTES;
 use lmhead_core::lse::Lse2;
 use lmhead_core::params::{GemmParams, LogitsParams};
@@ -53,13 +55,13 @@ fn half<const NW: usize>(acc: &mut WgAcc<NW>, nb: usize, h: usize) -> &mut Acc<1
     core::array::from_mut(&mut acc[nb][h])
 }
 
-/// The fused forward on the Hopper mainloop. Same contract and outputs as `fwd::fwd`.
+/// The fused forward on the Hopper mainloop. Same contract and outputs as `sm80::fwd`.
 ///
 /// # Safety
 /// Launched with `(WGM + 1)·128` threads (the last warpgroup is the producer), a grid of
 /// `(ceil(t/BM), n_splits)` blocks and `(BM + BN)·64·2·ST` bytes of dynamic shared memory (plus
 /// `16·ST` for the mbarriers, and `p.tmaps` set); `p` describes valid device buffers as for
-/// `fwd::fwd`.
+/// `sm80::fwd`.
 #[inline(always)]
 pub unsafe fn fwd_wg<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const ENT: bool>(
     p: &LogitsParams,
@@ -137,7 +139,7 @@ fn block_tiles<const BM: usize, const BN: usize>(group: u32, per: u32, n_total: 
 }
 
 /// Backward d-logits of one vocab chunk on the Hopper mainloop. Same contract as
-/// `bwd::dlogits`. `TS`: the tile is stored through [`StoreBoxes`] by the tensor
+/// `sm80::dlogits`. `TS`: the tile is stored through [`StoreBoxes`] by the tensor
 /// memory accelerator, with a third tensor map over the staging buffer.
 ///
 /// # Safety
@@ -145,7 +147,7 @@ fn block_tiles<const BM: usize, const BN: usize>(group: u32, per: u32, n_total: 
 /// `(ceil(t/BM), ceil(ceil(staging_stride/BN) / max(1, p.tiles_per_split)))`, the ring's
 /// dynamic shared memory (with the mbarriers and `p.tmaps`; for `TS` 1024 bytes after the
 /// ring, then `TMA_STORE_BYTES`, and a third map in `p.tmaps`: the staging buffer
-/// `[t][staging_stride]`, 64 × 64 boxes, 128-byte swizzle); buffers as for `bwd::dlogits`.
+/// `[t][staging_stride]`, 64 × 64 boxes, 128-byte swizzle); buffers as for `sm80::dlogits`.
 #[inline(always)]
 pub unsafe fn dlogits_wg<
     const BM: usize,
@@ -226,7 +228,7 @@ pub unsafe fn dlogits_wg<
 /// Launched with `(WGM + 1)·128` threads, grid
 /// `(ceil(m/BM), ceil(ceil(n/BN) / max(1, p.tiles_per_block)))`, the ring's dynamic shared
 /// memory with the mbarriers, and `p.tmaps`, whose maps have the layouts `AMN` and `BMN` name;
-/// C buffers as for `bwd::gemm`.
+/// C buffers as for `sm80::gemm`.
 #[inline(always)]
 pub unsafe fn gemm_wg<
     const BM: usize,

@@ -1,5 +1,6 @@
-//! The `mma.sync` tensor-core mainloop shared by every GEMM-shaped kernel: a multi-stage
-//! `cp.async` ring in shared memory, `ldmatrix` fragment loads and `mma.m16n8k16` bf16 → f32.
+//! The `mma.sync` tensor-core mainloop (`MmaSync`) under the three kernels of `sm80/mod.rs`: a
+//! multi-stage `cp.async` ring in shared memory, `ldmatrix` fragment loads and `mma.m16n8k16`
+//! bf16 → f32.
 //!
 //! GEMM naming: `C[M, N] = Σ_K A · B`. For the logits kernels `T≙M, V≙N, D≙K`: A = `h` (K-major,
 //! `[t][d]`), B = `W` (K-major, `[v][d]`). The backward GEMMs have N-major B (`[k][n]`) and, for
@@ -17,10 +18,8 @@
 //! `h` and `W` are whole chunks (`d % 8 == 0`); the backward staging buffer has its padding
 //! columns written as zeros, so a chunk that straddles its column bound reads zeros.
 
+use crate::epilogue::Acc;
 use crate::intrinsics::{self, SmemAddr};
-
-/// Fragment registers of one warp: A `(MI m16 tiles) × 4`, B `(NI n8 tiles) × 2`.
-pub type Acc<const MI: usize, const NI: usize> = [[[f32; 4]; NI]; MI];
 
 /// One operand in global memory: bf16 elements, `stride` elements between its rows. Its rows
 /// are M (or N) for a K-major operand and K for an MN-major one.
@@ -164,42 +163,6 @@ pub unsafe fn mma_stage<
             });
         });
     });
-}
-
-/// Per-warp geometry of a block tile.
-#[derive(Clone, Copy)]
-pub struct WarpPos {
-    pub tid: u32,
-    pub lane: u32,
-    /// Row of this warp's sub-tile inside the block tile.
-    pub wm0: u32,
-    /// Column of this warp's sub-tile inside the block tile.
-    pub wn0: u32,
-    /// Index of the warp along N.
-    pub warp_n: u32,
-}
-
-impl WarpPos {
-    #[inline(always)]
-    pub fn new<const BM: usize, const BN: usize, const WM: usize, const WN: usize>() -> Self {
-        let tid = intrinsics::thread_idx();
-        let warp = tid >> 5;
-        let (warp_m, warp_n) = (warp / WN as u32, warp % WN as u32);
-        Self { tid, lane: tid & 31, wm0: warp_m * (BM / WM) as u32, wn0: warp_n * (BN / WN) as u32, warp_n }
-    }
-
-    /// Row (inside the block tile) of accumulator element `(mi, half)`: `half` 0 holds
-    /// `c0, c1`, half 1 holds `c2, c3` eight rows below.
-    #[inline(always)]
-    pub fn row(&self, mi: usize, half: usize) -> u32 {
-        self.wm0 + (mi * 16 + half * 8) as u32 + (self.lane >> 2)
-    }
-
-    /// Column (inside the block tile) of accumulator element `(ni, e)`, `e ∈ {0, 1}`.
-    #[inline(always)]
-    pub fn col(&self, ni: usize, e: usize) -> u32 {
-        self.wn0 + (ni * 8 + e) as u32 + 2 * (self.lane & 3)
-    }
 }
 
 /// The producer side of a `cp.async` ring: the (tile, k step) whose operands load next, into
