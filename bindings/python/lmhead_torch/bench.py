@@ -293,7 +293,7 @@ def _overhead(h, w, labels, reps: int, cuda: bool) -> Dict[str, float]:
         "binding_fwd_autograd_us": binding(lambda: L.fused_linear_logprob(hh, w, labels)),
         "rust_bwd_us": rust_own(_native.time_backward, bargs),
         "rust_torch_ws_bwd_us": rust_torch(_native.time_backward, bargs),
-        "binding_bwd_us": binding(lambda: _core._backward(h, w, labels, lpx, lsex, entx, g1, g2, True, cfg)),
+        "binding_bwd_us": binding(lambda: _core._backward(h, w, labels, lsex, entx, g1, g2, True, cfg)),
     }
     res["overhead_fwd_us"] = res["binding_fwd_us"] - res["rust_fwd_us"]
     res["overhead_fwd_autograd_us"] = res["binding_fwd_autograd_us"] - res["rust_fwd_us"]

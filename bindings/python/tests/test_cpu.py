@@ -414,3 +414,30 @@ def test_gpu_call_sites_match_the_native_signatures():
             fn(*args)
     _native.noop(*fargs)
     _native.release_workspace()
+
+
+def test_bench_calls_bind_to_the_internal_signatures():
+    """The benchmark's GPU-only overhead path calls ``_core._backward`` and ``_core._forward``
+    directly; a signature change must fail here, not first on a GPU machine."""
+    import ast
+    import inspect
+
+    from lmhead_torch import bench
+
+    tree = ast.parse(inspect.getsource(bench))
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) and n.func.value.id == "_core"
+    ]
+    checked = 0
+    for c in calls:
+        fn = getattr(_core, c.func.attr)
+        if not inspect.isfunction(fn):
+            continue
+        if any(isinstance(a, ast.Starred) for a in c.args):
+            continue
+        sig = inspect.signature(fn)
+        sig.bind(*range(len(c.args)), **{k.arg: None for k in c.keywords if k.arg})
+        checked += 1
+    assert checked >= 2, "expected the bench to call _core._forward and _core._backward"
