@@ -3,9 +3,13 @@
 //!
 //! ```text
 //! lmhead-bench [quick|sweep|probe|entropy|tp|tune-table] [--filter SUBSTR] [--budget-s N]
-//!              [--reps N] [--out results.jsonl] [--fallback] [--no-check] [--skip N]
+//!              [--reps N] [--out results.jsonl] [--fallback | --fixed] [--no-check] [--skip N]
 //!              [--bwd-chunk N] [--check-labels] [--resume FILE]
 //! ```
+//!
+//! `--fixed` runs without tuning on each family's best fixed config from the shipped table (the
+//! fair baseline of the autotuned run: `cargo xtask bench-report` pairs the two); `--fallback`
+//! on the `mma.sync` fallback configs.
 //!
 //! `tune-table` tunes exhaustively (whatever `LMHEAD_TUNE` says) at every sweep shape not in
 //! the `--resume` files and records every candidate (see `table.rs`).
@@ -50,6 +54,9 @@ pub struct Args {
     pub reps: usize,
     pub out: String,
     pub fallback: bool,
+    /// `--fixed`: no tuning; each family's best fixed config from the shipped table
+    /// (`LMHEAD_AUTOTUNE=0`), the fair baseline of the autotuned run.
+    pub fixed: bool,
     pub check: bool,
     /// Skip the suite's first `skip` shapes (the sweep runs cheapest first: resume a budgeted run).
     pub skip: usize,
@@ -69,6 +76,7 @@ fn parse_args() -> Result<Args, String> {
         reps: 10,
         out: "bench-results.jsonl".into(),
         fallback: false,
+        fixed: false,
         check: true,
         skip: 0,
         bwd_chunk: None,
@@ -83,6 +91,7 @@ fn parse_args() -> Result<Args, String> {
             "--reps" => a.reps = it.next().ok_or("--reps needs a value")?.parse().map_err(|e| format!("--reps: {e}"))?,
             "--out" => a.out = it.next().ok_or("--out needs a value")?,
             "--fallback" => a.fallback = true,
+            "--fixed" => a.fixed = true,
             "--no-check" => a.check = false,
             "--check-labels" => a.check_labels = true,
             "--bwd-chunk" => {
@@ -94,6 +103,9 @@ fn parse_args() -> Result<Args, String> {
             s if !s.starts_with('-') => a.suite = s.to_string(),
             s => return Err(format!("unknown option {s}")),
         }
+    }
+    if a.fallback && a.fixed {
+        return Err("--fallback and --fixed exclude each other".into());
     }
     Ok(a)
 }
@@ -292,13 +304,17 @@ fn main() {
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp|tune-table] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback] [--no-check] [--skip N] [--bwd-chunk N] [--check-labels] [--resume FILE]");
+            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp|tune-table] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback] [--fixed] [--no-check] [--skip N] [--bwd-chunk N] [--check-labels] [--resume FILE]");
             std::process::exit(2);
         }
     };
     if args.suite == "tune-table" {
         // Read by LmHead::new: the table's records are exhaustive tunings, never table picks.
         std::env::set_var("LMHEAD_TUNE", "exhaustive");
+    }
+    if args.fixed {
+        // Read by LmHead::new: no tuning, the table's best fixed configs.
+        std::env::set_var("LMHEAD_AUTOTUNE", "0");
     }
     if !lmhead::driver_present() {
         eprintln!("lmhead-bench: no CUDA driver on this machine; the benchmark needs an H100/H200 (see docs/PERFORMANCE.md)");
@@ -389,7 +405,7 @@ fn main() {
                     let rec = json!({
                         "gpu": info.name, "driver": info.driver_version, "commit": commit(), "suite": args.suite,
                         "timestamp": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
-                        "tuning": if args.fallback { "fallback" } else { "auto" },
+                        "tuning": if args.fallback { "fallback" } else if args.fixed { "fixed" } else { "auto" },
                         "row": r,
                     });
                     let _ = writeln!(o, "{rec}");

@@ -57,7 +57,7 @@ fn fixture_report_and_ratio_plot() {
         // GEMM 5.859 ms, fwd 12.760 ms = 2.18x, fwd+bwd 53.174 ms = 9.07x, 2·4096·128256·4096 FLOP / 12.760 ms.
         "| 1 | llama-3.1-8b/tok4k/tp1cp1 | 4096 | 128256 | 4096 | 5.859 | 12.760 (2.18x) | 12.783 (2.18x) | 53.174 (9.07x) | 337.3 | 128.5 |",
         "| 4 | qwen3.6-35b-a3b/tok16k/tp1cp1 | 16384 | 248320 | 2048 | 24.297 | 53.926 (2.22x) | 54.141 (2.23x) | - |",
-        "No shape was measured with both tuning modes",
+        "No shape was measured both autotuned and with fixed configs",
     ] {
         assert!(stdout.contains(needle), "missing {needle:?} in:\n{stdout}");
     }
@@ -107,8 +107,8 @@ fn autotuned_vs_fallback_summary() {
         "| fwd | 4 | 19.0% | 15.0% | 50.0% | 50.0% | 3/4 | -4.0% (m2/tok8k/tp1cp1) |",
         "| fwd+ent | 4 | 10.0% | 10.0% | 10.0% | 10.0% | 4/4 | none |",
         "| fwd+bwd | 2 | 20.0% | 20.0% | 30.0% | 30.0% | 2/2 | none |",
-        "| 1 | m0/tok4k/tp1cp1 | 4096 | 1000 | 256 | 9.000 / 10.000 (10.0%) | 18.000 / 20.000 (10.0%) | 70.000 / 100.000 (30.0%) |",
-        "| 4 | m3/tok16k/tp1cp1 | 16384 | 4000 | 256 | 5.000 / 10.000 (50.0%) | 18.000 / 20.000 (10.0%) | - |",
+        "| 1 | m0/tok4k/tp1cp1 [vs fallback] | 4096 | 1000 | 256 | 9.000 / 10.000 (10.0%) | 18.000 / 20.000 (10.0%) | 70.000 / 100.000 (30.0%) |",
+        "| 4 | m3/tok16k/tp1cp1 [vs fallback] | 16384 | 4000 | 256 | 5.000 / 10.000 (50.0%) | 18.000 / 20.000 (10.0%) | - |",
     ] {
         assert!(stdout.contains(needle), "missing {needle:?} in:\n{stdout}");
     }

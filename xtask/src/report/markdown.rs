@@ -1,5 +1,5 @@
 //! The markdown report of `bench-report`: one table per (suite, tuning), then the autotuned vs
-//! fallback comparison.
+//! fixed-config comparison.
 
 use std::fmt::Write as _;
 
@@ -100,16 +100,17 @@ pub fn markdown(source: &str, read: usize, records: &[Record], plots: &[&str]) -
         let _ = writeln!(s);
     }
 
-    let _ = writeln!(s, "## Autotuned vs fixed fallback\n");
+    let _ = writeln!(s, "## Autotuned vs fixed configs\n");
     let all = pairs(records);
     if all.is_empty() {
         let _ =
-            writeln!(s, "No shape was measured with both tuning modes in the same suite (run the bench once more with `--fallback`).\n");
+            writeln!(s, "No shape was measured both autotuned and with fixed configs in the same suite (run the bench once more with `--fixed` or `--fallback`).\n");
     } else {
         let _ = writeln!(
             s,
-            "Latency reduction `(fallback − auto) / fallback` of the p50 times, per shape measured both ways in the same suite; \
-             positive means the autotuned configuration is faster. p90 is the nearest-rank value (sorted index round(0.9·(n−1))).\n"
+            "Latency reduction `(fixed − auto) / fixed` of the p50 times, per shape measured both ways in the same suite, against \
+             the table's best fixed configs (`--fixed`) where measured, else the `mma.sync` fallback (`--fallback`); positive means \
+             the autotuned configuration is faster. p90 is the nearest-rank value (sorted index round(0.9·(n−1))).\n"
         );
         // `#` numbers the pairs as the x axis of autotune.png does when there are too many to name.
         let mut pair_index = 0;
@@ -145,12 +146,12 @@ pub fn markdown(source: &str, read: usize, records: &[Record], plots: &[&str]) -
                     }
                 }
             }
-            let _ = writeln!(s, "\nPer shape (auto / fallback ms, reduction):\n");
+            let _ = writeln!(s, "\nPer shape (auto / fixed ms, reduction; the fixed run's kind in the case column):\n");
             let _ = writeln!(s, "| # | case | T | V | D | fwd | fwd+ent | fwd+bwd |");
             let _ = writeln!(s, "|---:|---|---:|---:|---:|---:|---:|---:|");
             for p in &ps {
                 pair_index += 1;
-                let (a, f) = (&p.auto.row, &p.fallback.row);
+                let (a, f) = (&p.auto.row, &p.base.row);
                 let cell = |a: f64, f: f64| format!("{a:.3} / {f:.3} ({})", pct(reduction(f, a)));
                 let bwd = match (&a.fwd_bwd, &f.fwd_bwd) {
                     (Some(a), Some(f)) => cell(a.p50, f.p50),
@@ -159,8 +160,9 @@ pub fn markdown(source: &str, read: usize, records: &[Record], plots: &[&str]) -
                 let c = &a.case;
                 let _ = writeln!(
                     s,
-                    "| {pair_index} | {} | {} | {} | {} | {} | {} | {bwd} |",
+                    "| {pair_index} | {} [vs {}] | {} | {} | {} | {} | {} | {bwd} |",
                     c.name(),
+                    p.base.tuning.as_str(),
                     c.t,
                     c.v,
                     c.d,

@@ -36,20 +36,24 @@ use plot::{font_available, plot_autotune, plot_ratio};
 // Records
 // ---------------------------------------------------------------------------------------------
 
-/// How the kernel configurations were chosen for a run (`lmhead-bench` vs `lmhead-bench --fallback`).
+/// How the kernel configurations were chosen for a run (`lmhead-bench`, `lmhead-bench --fixed`,
+/// `lmhead-bench --fallback`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Tuning {
     /// The autotuner picked the configurations.
     Auto,
-    /// The fixed fallback configurations.
+    /// Each family's best fixed configuration from the shipped table (`LMHEAD_AUTOTUNE=0`).
+    Fixed,
+    /// The `mma.sync` fallback configurations.
     Fallback,
 }
 
 impl Tuning {
-    fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Tuning::Auto => "auto",
+            Tuning::Fixed => "fixed",
             Tuning::Fallback => "fallback",
         }
     }
@@ -158,7 +162,7 @@ pub fn groups(records: &[Record]) -> Vec<Group> {
     }
     let mut out = Vec::new();
     for s in suites {
-        for tuning in [Tuning::Auto, Tuning::Fallback] {
+        for tuning in [Tuning::Auto, Tuning::Fixed, Tuning::Fallback] {
             let rows: Vec<Record> = records.iter().filter(|r| r.suite == s && r.tuning == tuning).cloned().collect();
             if !rows.is_empty() {
                 out.push(Group { suite: s.to_string(), tuning, rows });
@@ -172,11 +176,13 @@ pub fn groups(records: &[Record]) -> Vec<Group> {
 // Autotuned vs fallback
 // ---------------------------------------------------------------------------------------------
 
-/// One shape measured with both tuning modes in the same suite.
+/// One shape measured autotuned and with fixed configs (the table's best fixed configs when
+/// measured, else the `mma.sync` fallback) in the same suite.
 pub struct Pair {
     pub suite: String,
     pub auto: Record,
-    pub fallback: Record,
+    /// The fixed-config run it is compared with (`base.tuning` says which kind).
+    pub base: Record,
 }
 
 /// `(fallback − auto) / fallback` in percent: positive when the autotuned run is faster.
@@ -191,7 +197,7 @@ impl Pair {
 
     /// Latency reductions for fwd, fwd+ent and fwd+bwd (the last only when both runs have it).
     pub fn reductions(&self) -> [Option<f64>; 3] {
-        let (a, f) = (&self.auto.row, &self.fallback.row);
+        let (a, f) = (&self.auto.row, &self.base.row);
         [
             Some(reduction(f.fwd.p50, a.fwd.p50)),
             Some(reduction(f.fwd_ent.p50, a.fwd_ent.p50)),
@@ -206,18 +212,22 @@ impl Pair {
 /// Names of the three compared operations, in the order of [`Pair::reductions`].
 const OPS: [&str; 3] = ["fwd", "fwd+ent", "fwd+bwd"];
 
-/// Pairs up deduplicated records: every auto record whose suite and shape also has a fallback
-/// record, in the order of the auto tables of the report (suite by suite).
+/// Pairs up deduplicated records: every auto record whose suite and shape also has a fixed
+/// record (preferred) or a fallback record, in the order of the auto tables of the report
+/// (suite by suite).
 pub fn pairs(records: &[Record]) -> Vec<Pair> {
-    let fallback: HashMap<(&str, (usize, usize, usize)), &Record> =
-        records.iter().filter(|r| r.tuning == Tuning::Fallback).map(|r| ((r.suite.as_str(), r.shape()), r)).collect();
+    let by = |t: Tuning| -> HashMap<(&str, (usize, usize, usize)), &Record> {
+        records.iter().filter(|r| r.tuning == t).map(|r| ((r.suite.as_str(), r.shape()), r)).collect()
+    };
+    let (fixed, fallback) = (by(Tuning::Fixed), by(Tuning::Fallback));
     groups(records)
         .into_iter()
         .filter(|g| g.tuning == Tuning::Auto)
         .flat_map(|g| g.rows)
         .filter_map(|auto| {
-            let fallback = (*fallback.get(&(auto.suite.as_str(), auto.shape()))?).clone();
-            Some(Pair { suite: auto.suite.clone(), auto, fallback })
+            let k = (auto.suite.as_str(), auto.shape());
+            let base = (*fixed.get(&k).or_else(|| fallback.get(&k))?).clone();
+            Some(Pair { suite: auto.suite.clone(), auto, base })
         })
         .collect()
 }
@@ -374,6 +384,26 @@ mod tests {
         assert_eq!(r[0].tuning, Tuning::Auto);
         assert!(r[3].row.fwd_bwd.is_none());
         assert_eq!(r[2].line, 3);
+    }
+
+    #[test]
+    fn pairs_prefer_the_fixed_run_to_the_fallback() {
+        let line = |tuning: &str, fwd: f64| {
+            let mut v: serde_json::Value = serde_json::from_str(FIXTURE.lines().next().unwrap()).unwrap();
+            v["tuning"] = tuning.into();
+            v["row"]["fwd"]["p50"] = fwd.into();
+            v.to_string()
+        };
+        let text = [line("auto", 9.0), line("fallback", 20.0), line("fixed", 10.0)].join("\n");
+        let recs = latest(&parse(&text).unwrap());
+        let ps = pairs(&recs);
+        assert_eq!(ps.len(), 1);
+        assert_eq!(ps[0].base.tuning, Tuning::Fixed);
+        assert!((ps[0].reductions()[0].unwrap() - 10.0).abs() < 1e-9);
+        // Without a fixed run, the fallback is the baseline.
+        let text = [line("auto", 9.0), line("fallback", 20.0)].join("\n");
+        let ps = pairs(&latest(&parse(&text).unwrap()));
+        assert_eq!(ps[0].base.tuning, Tuning::Fallback);
     }
 
     #[test]

@@ -188,11 +188,11 @@ fn draw_chart(
 }
 
 /// The x label of a record in a multi-group plot: its name, with the suite when there are
-/// several suites and a `[fallback]` tag for fallback runs.
+/// several suites and a `[fixed]` / `[fallback]` tag for the runs that were not autotuned.
 fn plot_label(r: &Record, many_suites: bool) -> String {
     let mut l = if many_suites { format!("{}: {}", r.suite, r.name()) } else { r.name() };
-    if r.tuning == Tuning::Fallback {
-        l.push_str(" [fallback]");
+    if r.tuning != Tuning::Auto {
+        l.push_str(&format!(" [{}]", r.tuning.as_str()));
     }
     l
 }
@@ -221,7 +221,7 @@ pub fn plot_ratio(path: &Path, records: &[Record], text: bool) -> Result<(), Str
     )
 }
 
-/// `autotune.png`: latency reduction of the autotuned run against the fallback, per pair.
+/// `autotune.png`: latency reduction of the autotuned run against the fixed configs, per pair.
 pub fn plot_autotune(path: &Path, pairs: &[Pair], text: bool) -> Result<(), String> {
     let many_suites = distinct(pairs.iter().map(|p| p.suite.as_str())).contains(", ");
     let labels: Vec<String> = pairs.iter().map(|p| plot_label(&p.auto, many_suites)).collect();
@@ -233,8 +233,8 @@ pub fn plot_autotune(path: &Path, pairs: &[Pair], text: bool) -> Result<(), Stri
     ];
     draw_chart(
         path,
-        "Autotuned vs fixed fallback configurations: latency reduction",
-        "(fallback - auto) / fallback, %",
+        "Autotuned vs fixed configurations: latency reduction",
+        "(fixed - auto) / fixed, %",
         &labels,
         &series,
         (0.0, "no change"),
