@@ -342,3 +342,18 @@ def test_tp2_nccl_two_gpus():
         "cuda",
         "nccl",
     )
+
+
+def test_bench_overhead_path_runs():
+    """The benchmark's overhead measurement (paired binding and Rust calls) on a small shape:
+    every field present and finite, the paired medians positive."""
+    import math
+
+    from lmhead_torch import bench
+
+    h, w, labels = _inputs(512, 4096, 256, seed=41)
+    res = bench._overhead(h, w, labels, 5, True)
+    for k in ("rust_fwd_us", "binding_fwd_us", "rust_bwd_us", "binding_bwd_us", "overhead_fwd_us", "overhead_bwd_us", "noop_call_us"):
+        assert k in res and math.isfinite(res[k]), (k, res)
+    assert res["rust_fwd_us"] > 0 and res["binding_fwd_us"] > 0 and res["rust_torch_ws_bwd_us"] > 0
+    print({k: round(v, 1) for k, v in res.items()})
