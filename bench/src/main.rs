@@ -296,6 +296,11 @@ fn tflops(flop: f64, ms: f64) -> f64 {
     flop / (ms * 1e-3) / 1e12
 }
 
+/// Seconds since the Unix epoch (the records' `timestamp`).
+pub(crate) fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
 pub(crate) fn commit() -> String {
     std::env::var("LMHEAD_COMMIT").unwrap_or_else(|_| option_env!("LMHEAD_BUILD_COMMIT").unwrap_or("unknown").to_string())
 }
@@ -404,7 +409,7 @@ fn main() {
                 if let Some(o) = out.as_mut() {
                     let rec = json!({
                         "gpu": info.name, "driver": info.driver_version, "commit": commit(), "suite": args.suite,
-                        "timestamp": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+                        "timestamp": crate::unix_now(),
                         "tuning": if args.fallback { "fallback" } else if args.fixed { "fixed" } else { "auto" },
                         "row": r,
                     });

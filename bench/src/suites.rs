@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use lmhead::cudarc::driver::{CudaSlice, CudaStream};
-use lmhead::tune::Outcome;
 use lmhead::{FwdInputs, FwdOptions, FwdOutputs, LmHead, Problem};
 
 use crate::{Args, Case};
@@ -121,7 +120,7 @@ pub fn probe(head: &LmHead, _stream: &Arc<CudaStream>, args: &Args) {
                 .into_iter()
                 .filter(|(k, _)| !before.contains(k))
                 .map(|(k, e)| {
-                    let timed = e.candidates.iter().filter(|(_, o)| matches!(o, Outcome::Timed { .. } | Outcome::Wrong { .. })).count();
+                    let timed = e.timed();
                     let how = if timed == 0 { "table".to_string() } else { format!("{timed} timed") };
                     (format!("{:?}", k.family), e.seconds, how)
                 })
@@ -130,7 +129,7 @@ pub fn probe(head: &LmHead, _stream: &Arc<CudaStream>, args: &Args) {
             println!("| {model} | {step} | {t} | {} | {ms:.1} | {} |", lmhead::TokenBucket::of(t).tokens(), cells.join(", "));
             let rec = serde_json::json!({
                 "suite": "probe", "gpu": fresh.gpu().info().name, "commit": crate::commit(),
-                "timestamp": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+                "timestamp": crate::unix_now(),
                 "model": model, "d": d, "v": v, "step": step, "tokens": t, "wall_ms": ms,
                 "tuning": tuned.iter().map(|(f, s, how)| serde_json::json!({"family": f, "seconds": s, "how": how})).collect::<Vec<_>>(),
             });

@@ -76,7 +76,7 @@ pub fn run(head: &LmHead, args: &Args, gpu: &str, commit: &str) {
         for (key, entry) in &new {
             let rec = serde_json::json!({
                 "suite": "tune-table", "gpu": gpu, "commit": commit, "ptx_hash": lmhead::ptx::ptx_hash(),
-                "timestamp": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+                "timestamp": crate::unix_now(),
                 "shape": {"t": c.t, "v": c.v, "d": c.d, "case": c.name()},
                 "complete": false, "key": key, "entry": entry,
             });

@@ -25,7 +25,7 @@ use lmhead_core::config::{Family, TileConfig};
 use lmhead_core::Problem;
 
 use crate::error::{Context as _, Error, Result};
-use crate::launch::{self, dev_in, dev_out, Chunk, Dev, Dims, DlogitsIn, GemmC, GemmIn, GemmOut, Labels, LogitsIn, Scalars};
+use crate::launch::{self, dev_in, dev_out, Chunk, Dev, Dims, DlogitsIn, GemmC, GemmIn, GemmOut, LogitsIn, Scalars};
 use crate::tp::{Communicator, ReduceDh, Shard, TpBackward};
 use crate::tune::{Choice, TuneKey};
 use crate::validate;
@@ -311,7 +311,7 @@ impl LmHead {
         let rows = if self.tuner.mode() == crate::tune::Mode::Table { p.t.min(crate::fwd::TRIAL_ROWS) } else { p.t };
         let p = Problem::new(rows, p.v, p.d);
         let h = &h.sub(0, p.t * p.d, 2)?;
-        let labels = &Labels { dev: x.x.labels.dev.sub(0, p.t, x.x.labels.elem())?, kind: x.x.labels.kind };
+        let labels = &x.x.labels.rows(p.t)?;
         let lse = &x.g.lse.sub(0, p.t, 4)?;
         let gl = x.g.grad_logprob.map(|g| g.sub(0, p.t, 4)).transpose()?;
         let ent = x.g.ent.map(|(e, g)| Ok::<_, Error>((e.sub(0, p.t, 4)?, g.sub(0, p.t, 4)?))).transpose()?;

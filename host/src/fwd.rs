@@ -248,7 +248,7 @@ impl LmHead {
         // tuning (how the table is made) times the real shape.
         let p = if self.tuner.mode() == Mode::Table { trial_slice(p) } else { p };
         let (h, w) = (&x.h.sub(0, p.t * p.d, 2)?, &x.w.sub(0, p.v * p.d, 2)?);
-        let labels = &Labels { dev: x.labels.dev.sub(0, p.t, x.labels.elem())?, kind: x.labels.kind };
+        let labels = &x.labels.rows(p.t)?;
         let x = &LogitsIn { dims: Dims { t: p.t, v: p.v, d: p.d }, sc, h, w, labels };
         self.tuner.pick(&key, choice, &mut |cfg| {
             let plan = self.plan_split(family, cfg, p)?;

@@ -113,13 +113,6 @@ fn best_fixed(keys: &BTreeMap<Key, Rec>, fam: Family) -> Option<(TileConfig, f64
         .min_by(|a, b| a.1.total_cmp(&b.1))
 }
 
-fn stats(mut xs: Vec<f64>) -> (f64, f64, f64, f64) {
-    xs.sort_by(|a, b| a.total_cmp(b));
-    let n = xs.len();
-    let q = |p: f64| xs[((n as f64 - 1.0) * p).round() as usize];
-    (xs.iter().sum::<f64>() / n as f64, q(0.5), q(0.9), xs[n - 1])
-}
-
 pub fn run(args: &[String]) -> Result<(), String> {
     let mut files = Vec::new();
     let mut out = None;
@@ -180,7 +173,8 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let chunk_of = |f: Family, bucket: u32, d: u32, v: u32| -> Option<u32> {
         keys.keys().filter(|k| k.0 == f && k.1 == bucket && k.2 == d && k.3 <= v.max(1)).map(|k| k.3).max()
     };
-    let mut per_family: BTreeMap<Family, Vec<f64>> = BTreeMap::new();
+    // Latency reductions in percent, with the shape they belong to (`report::summarize`'s input).
+    let mut per_family: BTreeMap<Family, Vec<(f64, String)>> = BTreeMap::new();
     let mut step = Vec::new();
     let mut rows = String::new();
     for (t, v, d, case) in &shapes {
@@ -200,7 +194,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
         ] {
             match (time(f, bucket, *d, fv, None), fixed.get(&f).and_then(|&c| time(f, bucket, *d, fv, Some(c)))) {
                 (Some(a), Some(x)) => {
-                    per_family.entry(f).or_default().push(1.0 - a / x);
+                    per_family.entry(f).or_default().push((crate::report::reduction(x, a), case.clone()));
                     auto_total += mult * a;
                     fixed_total += mult * x;
                 }
@@ -208,32 +202,22 @@ pub fn run(args: &[String]) -> Result<(), String> {
             }
         }
         if ok {
-            let red = 1.0 - auto_total / fixed_total;
-            step.push(red);
-            rows.push_str(&format!("| {t} × {v} × {d} | {case} | {fixed_total:.3} | {auto_total:.3} | {:+.2}% |\n", -100.0 * red));
+            let red = crate::report::reduction(fixed_total, auto_total);
+            step.push((red, case.clone()));
+            rows.push_str(&format!("| {t} × {v} × {d} | {case} | {fixed_total:.3} | {auto_total:.3} | {:+.2}% |\n", -red));
         }
     }
     md.push_str("\nLatency reduction of the autotuned pick against the best fixed config, per shape (trial times):\n\n");
     md.push_str("| what | shapes | mean | median | p90 | max | faster | worst regression |\n|---|---:|---:|---:|---:|---:|---:|---:|\n");
-    let line = |name: String, xs: &Vec<f64>| -> String {
-        let (mean, med, p90, max) = stats(xs.clone());
-        let faster = xs.iter().filter(|&&x| x > 1e-9).count();
-        let low = xs.iter().cloned().fold(0.0, f64::min);
-        let worst = if low < 0.0 { -low } else { 0.0 };
+    let line = |name: String, xs: &[(f64, String)]| -> String {
+        let Some(m) = crate::report::summarize(xs) else { return String::new() };
+        let worst = m.worst.map(|(x, _)| -x).unwrap_or(0.0);
         format!(
-            "| {name} | {} | {:.2}% | {:.2}% | {:.2}% | {:.2}% | {faster}/{} | {:.2}% |\n",
-            xs.len(),
-            100.0 * mean,
-            100.0 * med,
-            100.0 * p90,
-            100.0 * max,
-            xs.len(),
-            100.0 * worst
+            "| {name} | {} | {:.2}% | {:.2}% | {:.2}% | {:.2}% | {}/{} | {worst:.2}% |\n",
+            m.n, m.mean, m.median, m.p90, m.max, m.faster, m.n
         )
     };
-    if !step.is_empty() {
-        md.push_str(&line("training step (fwd_ent + chunks × (dlogits_ent + dh + dW))".into(), &step));
-    }
+    md.push_str(&line("training step (fwd_ent + chunks × (dlogits_ent + dh + dW))".into(), &step));
     for (f, xs) in &per_family {
         md.push_str(&line(format!("{f:?}"), xs));
     }

@@ -83,6 +83,11 @@ impl Labels<'_> {
         self.dev.buf(self.elem())
     }
 
+    /// The labels of the first `n` rows.
+    pub fn rows(&self, n: usize) -> Result<Labels<'_>> {
+        Ok(Labels { dev: self.dev.sub(0, n, self.elem())?, kind: self.kind })
+    }
+
     pub fn elem(&self) -> usize {
         if self.kind == LABELS_I64 {
             8

@@ -105,6 +105,13 @@ pub struct Entry {
     pub seconds: f64,
 }
 
+impl Entry {
+    /// Candidates that ran in trials (timed, or rejected for a wrong answer); 0 for a table pick.
+    pub fn timed(&self) -> usize {
+        self.candidates.iter().filter(|(_, o)| matches!(o, Outcome::Timed { .. } | Outcome::Wrong { .. })).count()
+    }
+}
+
 /// Largest relative L2 difference from the fallback's output that still counts as the same
 /// answer. f32 accumulation in another order moves log-probs by ~1e-6 relative; bf16 outputs
 /// (d-logits, gradients) by ~4e-3.
@@ -268,15 +275,17 @@ impl Tuner {
         };
         // First pass: the shortlist (table mode) or everything (exhaustive); deferred candidates
         // are recorded as pruned with the reason, and timed only if nothing on the shortlist ran.
-        let (mut outcomes, deferred) = self.first_pass(key, p);
-        for (c, o) in outcomes.iter_mut() {
-            if matches!(o, Outcome::Timed { .. }) {
-                *o = judge(trial(*c), &mut reference);
-            }
-        }
-        if best_timed(&outcomes).is_none() && !deferred.is_empty() {
-            for (c, o) in outcomes.iter_mut() {
-                if deferred.contains(c) {
+        let plan = self.first_pass(key, p);
+        let mut outcomes: Vec<(TileConfig, Outcome)> = plan
+            .iter()
+            .map(|(c, step)| match step {
+                Step::Time => (*c, judge(trial(*c), &mut reference)),
+                Step::Defer(reason) | Step::Prune(reason) => (*c, Outcome::Pruned { reason: reason.clone() }),
+            })
+            .collect();
+        if best_timed(&outcomes).is_none() {
+            for ((c, step), (_, o)) in plan.iter().zip(outcomes.iter_mut()) {
+                if matches!(step, Step::Defer(_)) {
                     *o = judge(trial(*c), &mut reference);
                 }
             }
@@ -319,43 +328,32 @@ impl Tuner {
         Some(Entry { winner, candidates, seconds: start.elapsed().as_secs_f64() })
     }
 
-    /// The first pass's candidates: every candidate with `Timed` as a placeholder for "to be
-    /// timed" or its `Pruned` reason, and the pruned ones that a second pass may time.
-    fn first_pass(&self, key: &TuneKey, p: Problem) -> (Vec<(TileConfig, Outcome)>, Vec<TileConfig>) {
+    /// What the first pass does with each candidate, shortlist first (its order is the table's:
+    /// the nearest key's winner is the reference).
+    fn first_pass(&self, key: &TuneKey, p: Problem) -> Vec<(TileConfig, Step)> {
         let family = key.family;
         let sm90 = self.device.as_ref().is_some_and(|d| d.cc.0 == 9);
         let shortlist: Vec<TileConfig> = match (&self.table, self.mode) {
             (Some((t, _)), Mode::Table) => t.shortlist(key, SHORTLIST_KEYS, SHORTLIST_WITHIN, SHORTLIST_CAP),
             _ => Vec::new(),
         };
-        let mut outcomes = Vec::new();
-        let mut deferred = Vec::new();
-        // Shortlist first (its order is the table's: the nearest key's winner is the reference).
-        let order: Vec<TileConfig> =
-            shortlist.iter().copied().chain(family.candidates().iter().copied().filter(|c| !shortlist.contains(c))).collect();
-        for c in order {
-            if let Err(reason) = can_implement(c, self.device.as_ref(), p) {
-                outcomes.push((c, Outcome::Pruned { reason }));
-                continue;
-            }
-            let defer = if self.mode == Mode::Exhaustive {
-                None
-            } else if sm90 && !c.is_sm90() {
-                Some("mma.sync on sm_90: 1.7-2.3x slower than the sm90 configs at every key of the table; timed only if none of the shortlist runs")
-            } else if !shortlist.is_empty() && !shortlist.contains(&c) {
-                Some("not on the table's shortlist for the nearest keys; timed only if none of the shortlist runs")
-            } else {
-                None
-            };
-            match defer {
-                Some(reason) => {
-                    outcomes.push((c, Outcome::Pruned { reason: reason.into() }));
-                    deferred.push(c);
-                }
-                None => outcomes.push((c, Outcome::Timed { ms: 0.0, confirm: Vec::new() })),
-            }
-        }
-        (outcomes, deferred)
+        let order = shortlist.iter().copied().chain(family.candidates().iter().copied().filter(|c| !shortlist.contains(c)));
+        order
+            .map(|c| {
+                let step = if let Err(reason) = can_implement(c, self.device.as_ref(), p) {
+                    Step::Prune(reason)
+                } else if self.mode == Mode::Exhaustive {
+                    Step::Time
+                } else if sm90 && !c.is_sm90() {
+                    Step::Defer("mma.sync on sm_90: 1.7-2.3x slower than the sm90 configs at every key of the table; timed only if none of the shortlist runs".into())
+                } else if !shortlist.is_empty() && !shortlist.contains(&c) {
+                    Step::Defer("not on the table's shortlist for the nearest keys; timed only if none of the shortlist runs".into())
+                } else {
+                    Step::Time
+                };
+                (c, step)
+            })
+            .collect()
     }
 
     /// Cache `entry` and report it (always when it was slow).
@@ -372,7 +370,7 @@ impl Tuner {
                     _ => None,
                 })
                 .collect();
-            let timed = entry.candidates.iter().filter(|(_, o)| matches!(o, Outcome::Timed { .. } | Outcome::Wrong { .. })).count();
+            let timed = entry.timed();
             eprintln!(
                 "lmhead: tuned {family:?} for {} tokens, d = {}, v = {} in {:.2} s ({how}, {timed} timed): {}; contenders: {}",
                 key.bucket.tokens(),
@@ -412,6 +410,15 @@ pub fn can_implement(c: TileConfig, device: Option<&DeviceInfo>, p: Problem) -> 
         return Err(format!("d = {} is not a multiple of 8", p.d));
     }
     Ok(())
+}
+
+/// What the first pass does with a candidate.
+enum Step {
+    Time,
+    /// Not in the first pass; timed only if nothing in it runs (the reason is recorded).
+    Defer(String),
+    /// Cannot run this problem (the reason is recorded).
+    Prune(String),
 }
 
 /// The fastest timed candidate.
