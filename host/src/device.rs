@@ -8,7 +8,7 @@ use cudarc::driver::sys::CUfunction_attribute as F;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::Ptx;
 
-use lmhead_core::config::{fixed, kernel_name, Family};
+use lmhead_core::config::{fixed, kernel_name, Family, TileConfig};
 
 use crate::error::{Context as _, Error, Result};
 
@@ -166,6 +166,11 @@ impl Gpu {
         }
     }
 
+    /// The entry point of `cfg` in `family`, with its shared-memory limit raised to the config's.
+    pub fn tuned_function(&self, family: Family, cfg: TileConfig) -> Result<CudaFunction> {
+        self.function(&kernel_name(family, cfg), cfg.smem_bytes() as u32)
+    }
+
     /// The kernel `name` with its dynamic shared-memory limit raised to `smem` bytes: from the
     /// embedded cubin when there is one, else JIT-compiled from its own small PTX module on first
     /// use (a JIT failure reports the driver's error log).
@@ -206,7 +211,7 @@ impl Gpu {
     pub fn kernel_report(&self) -> KernelReport {
         let mut families = Vec::new();
         for f in Family::ALL {
-            let ok = f.candidates().iter().filter(|&&c| self.function(&kernel_name(f, c), c.smem_bytes() as u32).is_ok()).count();
+            let ok = f.candidates().iter().filter(|&&c| self.tuned_function(f, c).is_ok()).count();
             families.push((f, f.candidates().len(), ok));
         }
         let fixed_ok = fixed::ALL.iter().filter(|n| self.function(n, 0).is_ok()).count();

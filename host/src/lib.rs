@@ -113,7 +113,7 @@ impl LmHead {
 
     pub fn with_tuner(gpu: Arc<Gpu>, mut tuner: Tuner) -> Self {
         let g = gpu.clone();
-        tuner.set_loads(Arc::new(move |f, c| g.function(&lmhead_core::config::kernel_name(f, c), c.smem_bytes() as u32).is_ok()));
+        tuner.set_loads(Arc::new(move |f, c| g.tuned_function(f, c).is_ok()));
         Self { gpu, tuner, ws: Mutex::new(workspace::Workspace::new()) }
     }
 
