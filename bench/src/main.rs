@@ -3,13 +3,16 @@
 //!
 //! ```text
 //! lmhead-bench [quick|sweep|probe|entropy|tp|tune-table] [--filter SUBSTR] [--budget-s N]
-//!              [--reps N] [--out results.jsonl] [--fallback | --fixed] [--no-check] [--skip N]
+//!              [--reps N] [--out results.jsonl] [--fallback | --fixed | --versus-fixed]
+//!              [--no-check] [--skip N]
 //!              [--bwd-chunk N] [--check-labels] [--resume FILE]
 //! ```
 //!
 //! `--fixed` runs without tuning on each family's best fixed config from the shipped table (the
-//! fair baseline of the autotuned run: `cargo xtask bench-report` pairs the two); `--fallback`
-//! on the `mma.sync` fallback configs.
+//! fair baseline of the autotuned run: `cargo xtask bench-report` pairs the two);
+//! `--versus-fixed` times both in one process, in the same rounds on the same inputs (the
+//! steady-state comparison; two records per shape); `--fallback` on the `mma.sync` fallback
+//! configs.
 //!
 //! `tune-table` tunes exhaustively (whatever `LMHEAD_TUNE` says) at every sweep shape not in
 //! the `--resume` files and records every candidate (see `table.rs`).
@@ -57,6 +60,9 @@ pub struct Args {
     /// `--fixed`: no tuning; each family's best fixed config from the shipped table
     /// (`LMHEAD_AUTOTUNE=0`), the fair baseline of the autotuned run.
     pub fixed: bool,
+    /// `--versus-fixed`: every shape also on a second head with the fixed configs, timed in
+    /// the same rounds (two records per shape: `auto` and `fixed`).
+    pub versus_fixed: bool,
     pub check: bool,
     /// Skip the suite's first `skip` shapes (the sweep runs cheapest first: resume a budgeted run).
     pub skip: usize,
@@ -77,6 +83,7 @@ fn parse_args() -> Result<Args, String> {
         out: "bench-results.jsonl".into(),
         fallback: false,
         fixed: false,
+        versus_fixed: false,
         check: true,
         skip: 0,
         bwd_chunk: None,
@@ -92,6 +99,7 @@ fn parse_args() -> Result<Args, String> {
             "--out" => a.out = it.next().ok_or("--out needs a value")?,
             "--fallback" => a.fallback = true,
             "--fixed" => a.fixed = true,
+            "--versus-fixed" => a.versus_fixed = true,
             "--no-check" => a.check = false,
             "--check-labels" => a.check_labels = true,
             "--bwd-chunk" => {
@@ -104,8 +112,8 @@ fn parse_args() -> Result<Args, String> {
             s => return Err(format!("unknown option {s}")),
         }
     }
-    if a.fallback && a.fixed {
-        return Err("--fallback and --fixed exclude each other".into());
+    if [a.fallback, a.fixed, a.versus_fixed].iter().filter(|&&x| x).count() > 1 {
+        return Err("--fallback, --fixed and --versus-fixed exclude each other".into());
     }
     Ok(a)
 }
@@ -144,7 +152,115 @@ fn timing(mut ts: Vec<f64>) -> Timing {
     Timing { p20: percentile(&mut ts.clone(), 0.2), p50, p80: percentile(&mut ts, 0.8) }
 }
 
-fn measure(head: &LmHead, stream: &Arc<CudaStream>, c: &Case, args: &Args, seed: u64) -> lmhead::Result<Row> {
+/// One head's buffers and last configs inside [`measure`].
+struct Ops<'a> {
+    head: &'a LmHead,
+    lp: CudaSlice<f32>,
+    lse: CudaSlice<f32>,
+    lp_ent: CudaSlice<f32>,
+    lse_ent: CudaSlice<f32>,
+    ent: CudaSlice<f32>,
+    /// dh and dW, only for cases with a backward pass.
+    grads: Option<(CudaSlice<bf16>, CudaSlice<bf16>)>,
+    /// The forward+backward's own forward outputs (log-prob, lse, entropy).
+    fb: (CudaSlice<f32>, CudaSlice<f32>, CudaSlice<f32>),
+    fwd_cfg: String,
+    fwd_ent_cfg: String,
+    bwd_cfg: String,
+    t: Timings,
+}
+
+#[derive(Default)]
+struct Timings {
+    fwd: Vec<f64>,
+    ent: Vec<f64>,
+    bwd: Vec<f64>,
+}
+
+/// The operations [`measure`] times.
+#[derive(Clone, Copy)]
+enum Op {
+    Fwd,
+    FwdEnt,
+    FwdBwd,
+}
+
+/// The shared inputs of one shape.
+struct Data<'a> {
+    p: Problem,
+    x: FwdInputs<'a, i64>,
+    fo: FwdOptions,
+    bo: BwdOptions,
+    gl: &'a CudaSlice<f32>,
+    ge: &'a CudaSlice<f32>,
+}
+
+impl<'a> Ops<'a> {
+    fn new(head: &'a LmHead, stream: &Arc<CudaStream>, c: &Case) -> Self {
+        let z = |n: usize| -> CudaSlice<f32> { stream.alloc_zeros(n).unwrap() };
+        Ops {
+            head,
+            lp: z(c.t),
+            lse: z(c.t),
+            lp_ent: z(c.t),
+            lse_ent: z(c.t),
+            ent: z(c.t),
+            grads: c.backward.then(|| (stream.alloc_zeros(c.t * c.d).unwrap(), stream.alloc_zeros(c.v * c.d).unwrap())),
+            fb: (z(c.t), z(c.t), z(c.t)),
+            fwd_cfg: String::new(),
+            fwd_ent_cfg: String::new(),
+            bwd_cfg: String::new(),
+            t: Timings::default(),
+        }
+    }
+
+    fn run(&mut self, stream: &Arc<CudaStream>, d: &Data<'_>, op: Op) -> lmhead::Result<()> {
+        let head = self.head;
+        match op {
+            Op::Fwd => {
+                let r = head.forward(stream, &d.x, &d.fo, FwdOutputs { logprob: &mut self.lp, lse: &mut self.lse, entropy: None })?;
+                self.fwd_cfg = r.config.map(|c| c.suffix(lmhead::Family::Fwd)).unwrap_or_default();
+            }
+            Op::FwdEnt => {
+                let out = FwdOutputs { logprob: &mut self.lp_ent, lse: &mut self.lse_ent, entropy: Some(&mut self.ent) };
+                let r = head.forward(stream, &d.x, &d.fo, out)?;
+                self.fwd_ent_cfg = r.config.map(|c| c.suffix(lmhead::Family::FwdEnt)).unwrap_or_default();
+            }
+            Op::FwdBwd => {
+                let Some((dh, dw)) = self.grads.as_mut() else { return Ok(()) };
+                let (lp_b, lse_b, ent_b) = &mut self.fb;
+                head.forward(stream, &d.x, &d.fo, FwdOutputs { logprob: lp_b, lse: lse_b, entropy: Some(ent_b) })?;
+                let bx = BwdInputs {
+                    h: d.x.h,
+                    w: d.x.w,
+                    labels: d.x.labels,
+                    lse: &*lse_b,
+                    entropy: Some(&*ent_b),
+                    grad_logprob: Some(d.gl),
+                    grad_entropy: Some(d.ge),
+                    problem: d.p,
+                };
+                let r = head.backward(stream, &bx, &d.bo, GradOut::Bf16(dh), Some(GradOut::Bf16(dw)))?;
+                self.bwd_cfg = format!(
+                    "{}|{}|{}{}",
+                    r.dlogits.suffix(lmhead::Family::BwdDlogitsEnt),
+                    r.dh.suffix(lmhead::Family::BwdDh),
+                    r.dw.expect("dW asked for").suffix(lmhead::Family::BwdDw),
+                    // The chunk width, when the vocab took more than one (records before the
+                    // automatic width only named widths other than 8192).
+                    if r.chunks == 1 { String::new() } else { format!(" chunk {}", r.chunk) }
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Times `heads` (usually one; with `--versus-fixed` the autotuned head and the fixed one) on
+/// one shape's inputs: every round times cuBLAS once, then each head's forward, forward with
+/// entropy and forward+backward in turn, so that all see the same clock and temperature. One
+/// [`Row`] per head, in order.
+fn measure(heads: &[&LmHead], stream: &Arc<CudaStream>, c: &Case, args: &Args, seed: u64) -> lmhead::Result<Vec<Row>> {
     let p = Problem::new(c.t, c.v, c.d);
     let hs = random_bf16(c.t * c.d, 4.0 / (c.d as f32).sqrt(), seed);
     let ws = random_bf16(c.v * c.d, 0.5, seed ^ 1);
@@ -153,108 +269,80 @@ fn measure(head: &LmHead, stream: &Arc<CudaStream>, c: &Case, args: &Args, seed:
     let h = lmhead::testing::upload_bf16(stream, &hs)?;
     let w = lmhead::testing::upload_bf16(stream, &ws)?;
     let lab = lmhead::testing::upload(stream, &labels)?;
-    let mut lp: CudaSlice<f32> = stream.alloc_zeros(c.t).unwrap();
-    let mut lse: CudaSlice<f32> = stream.alloc_zeros(c.t).unwrap();
-    let mut ent: CudaSlice<f32> = stream.alloc_zeros(c.t).unwrap();
     let choice = if args.fallback { Choice::Fallback } else { Choice::Auto };
-    let fo = FwdOptions { config: choice, check_labels: args.check_labels, ..Default::default() };
-    let x = FwdInputs { h: &h, w: &w, labels: &lab, problem: p };
-
-    // cuBLAS: logits = h · Wᵀ (bf16 out, f32 compute).
-    let mut blas = cublas::Gemm::new(stream.clone(), c.t, c.v, c.d)?;
-    let (mut fwd_cfg, mut fwd_ent_cfg, mut bwd_cfg) = (String::new(), String::new(), String::new());
-    let mut fwd_op = || -> lmhead::Result<()> {
-        let r = head.forward(stream, &x, &fo, FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: None })?;
-        fwd_cfg = r.config.map(|c| c.suffix(lmhead::Family::Fwd)).unwrap_or_default();
-        Ok(())
-    };
-    let mut lp_ent: CudaSlice<f32> = stream.alloc_zeros(c.t).unwrap();
-    let mut lse_ent: CudaSlice<f32> = stream.alloc_zeros(c.t).unwrap();
-    let mut fwd_ent_op = || -> lmhead::Result<()> {
-        let r = head.forward(stream, &x, &fo, FwdOutputs { logprob: &mut lp_ent, lse: &mut lse_ent, entropy: Some(&mut ent) })?;
-        fwd_ent_cfg = r.config.map(|c| c.suffix(lmhead::Family::FwdEnt)).unwrap_or_default();
-        Ok(())
-    };
     let gl = lmhead::testing::upload(stream, &vec![1.0f32; c.t])?;
     let ge = lmhead::testing::upload(stream, &vec![0.1f32; c.t])?;
     let mut bo = BwdOptions { config: BwdConfigs::all(choice), ..Default::default() };
     if let Some(chunk) = args.bwd_chunk {
         bo.chunk = Some(chunk);
     }
-    // dh and dW, only for cases with a backward pass.
-    let mut grads: Option<(CudaSlice<bf16>, CudaSlice<bf16>)> =
-        c.backward.then(|| (stream.alloc_zeros(c.t * c.d).unwrap(), stream.alloc_zeros(c.v * c.d).unwrap()));
-    let (mut lp_b, mut lse_b, mut ent_b): (CudaSlice<f32>, CudaSlice<f32>, CudaSlice<f32>) =
-        (stream.alloc_zeros(c.t).unwrap(), stream.alloc_zeros(c.t).unwrap(), stream.alloc_zeros(c.t).unwrap());
-    let mut fwd_bwd_op = || -> lmhead::Result<()> {
-        let Some((dh, dw)) = grads.as_mut() else { return Ok(()) };
-        head.forward(stream, &x, &fo, FwdOutputs { logprob: &mut lp_b, lse: &mut lse_b, entropy: Some(&mut ent_b) })?;
-        let bx = BwdInputs {
-            h: &h,
-            w: &w,
-            labels: &lab,
-            lse: &lse_b,
-            entropy: Some(&ent_b),
-            grad_logprob: Some(&gl),
-            grad_entropy: Some(&ge),
-            problem: p,
-        };
-        let r = head.backward(stream, &bx, &bo, GradOut::Bf16(dh), Some(GradOut::Bf16(dw)))?;
-        bwd_cfg = format!(
-            "{}|{}|{}{}",
-            r.dlogits.suffix(lmhead::Family::BwdDlogitsEnt),
-            r.dh.suffix(lmhead::Family::BwdDh),
-            r.dw.expect("dW asked for").suffix(lmhead::Family::BwdDw),
-            // The chunk width, when the vocab took more than one (records before the automatic
-            // width only named widths other than 8192).
-            if r.chunks == 1 { String::new() } else { format!(" chunk {}", r.chunk) }
-        );
-        Ok(())
+    let data = Data {
+        p,
+        x: FwdInputs { h: &h, w: &w, labels: &lab, problem: p },
+        fo: FwdOptions { config: choice, check_labels: args.check_labels, ..Default::default() },
+        bo,
+        gl: &gl,
+        ge: &ge,
     };
+
+    // cuBLAS: logits = h · Wᵀ (bf16 out, f32 compute).
+    let mut blas = cublas::Gemm::new(stream.clone(), c.t, c.v, c.d)?;
+    let mut ops: Vec<Ops> = heads.iter().map(|&hd| Ops::new(hd, stream, c)).collect();
     // Tuning (the first call of each family in a new bucket) and warm-up happen before any
     // timing; then every round times each operation once, in turn, so that cuBLAS and the
     // fused kernels see the same clock and temperature (the H200 runs these shapes at its power
     // limit: its SM clock moves between ≈ 1.4 and 1.6 GHz with the load's power draw).
     for _ in 0..2 {
         blas.run(&h, &w)?;
-        fwd_op()?;
-        fwd_ent_op()?;
+        for o in ops.iter_mut() {
+            o.run(stream, &data, Op::Fwd)?;
+            o.run(stream, &data, Op::FwdEnt)?;
+        }
     }
-    fwd_bwd_op()?;
+    for o in ops.iter_mut() {
+        o.run(stream, &data, Op::FwdBwd)?;
+    }
     let bwd_reps = args.reps.clamp(1, 5);
-    let (mut t_gemm, mut t_fwd, mut t_ent, mut t_bwd) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut t_gemm = Vec::new();
     for r in 0..args.reps {
         t_gemm.push(sample(stream, &mut || blas.run(&h, &w))?);
-        t_fwd.push(sample(stream, &mut fwd_op)?);
-        t_ent.push(sample(stream, &mut fwd_ent_op)?);
-        if c.backward && r < bwd_reps {
-            t_bwd.push(sample(stream, &mut fwd_bwd_op)?);
+        for o in ops.iter_mut() {
+            let ms = sample(stream, &mut || o.run(stream, &data, Op::Fwd))?;
+            o.t.fwd.push(ms);
+            let ms = sample(stream, &mut || o.run(stream, &data, Op::FwdEnt))?;
+            o.t.ent.push(ms);
+            if c.backward && r < bwd_reps {
+                let ms = sample(stream, &mut || o.run(stream, &data, Op::FwdBwd))?;
+                o.t.bwd.push(ms);
+            }
         }
     }
     drop(blas);
-    let (gemm, fwd, fwd_ent) = (timing(t_gemm), timing(t_fwd), timing(t_ent));
-    let fwd_bwd = c.backward.then(|| timing(t_bwd));
-    // Check the timed runs' outputs on sampled rows: log-prob of both forwards.
-    let check_max_abs = if args.check {
-        let got = lmhead::testing::download_f32(stream, &lp)?;
-        let got_ent = lmhead::testing::download_f32(stream, &lp_ent)?;
-        let e = check_sampled_logprobs("timed forward", (&hs, &ws, &labels), (c.t, c.v, c.d), &[&got, &got_ent])?;
-        Some(e)
-    } else {
-        None
-    };
-    Ok(Row {
-        case: c.clone(),
-        gemm,
-        fwd,
-        fwd_ent,
-        fwd_bwd,
-        fwd_cfg,
-        fwd_ent_cfg,
-        bwd_cfg,
-        workspace_mib: head.workspace_bytes() as f64 / (1 << 20) as f64,
-        check_max_abs,
-    })
+    let gemm = timing(t_gemm);
+    let mut rows = Vec::new();
+    for o in ops {
+        // Check the timed runs' outputs on sampled rows: log-prob of both forwards.
+        let check_max_abs = if args.check {
+            let got = lmhead::testing::download_f32(stream, &o.lp)?;
+            let got_ent = lmhead::testing::download_f32(stream, &o.lp_ent)?;
+            Some(check_sampled_logprobs("timed forward", (&hs, &ws, &labels), (c.t, c.v, c.d), &[&got, &got_ent])?)
+        } else {
+            None
+        };
+        rows.push(Row {
+            case: c.clone(),
+            gemm: gemm.clone(),
+            fwd: timing(o.t.fwd),
+            fwd_ent: timing(o.t.ent),
+            fwd_bwd: c.backward.then(|| timing(o.t.bwd)),
+            fwd_cfg: o.fwd_cfg,
+            fwd_ent_cfg: o.fwd_ent_cfg,
+            bwd_cfg: o.bwd_cfg,
+            workspace_mib: o.head.workspace_bytes() as f64 / (1 << 20) as f64,
+            check_max_abs,
+        });
+    }
+    Ok(rows)
 }
 
 /// Largest |Δ log-prob| of `outputs` (each `[t]` log-probs of the whole problem
@@ -309,7 +397,7 @@ fn main() {
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp|tune-table] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback] [--fixed] [--no-check] [--skip N] [--bwd-chunk N] [--check-labels] [--resume FILE]");
+            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp|tune-table] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback | --fixed | --versus-fixed] [--no-check] [--skip N] [--bwd-chunk N] [--check-labels] [--resume FILE]");
             std::process::exit(2);
         }
     };
@@ -330,6 +418,16 @@ fn main() {
         std::process::exit(1)
     });
     let stream = head.gpu().context().default_stream();
+    // `--versus-fixed`: a second head on the table's fixed configs (read by LmHead::new).
+    let fixed_head = args.versus_fixed.then(|| {
+        std::env::set_var("LMHEAD_AUTOTUNE", "0");
+        let f = LmHead::new(0).unwrap_or_else(|e| {
+            eprintln!("lmhead-bench: {e}");
+            std::process::exit(1)
+        });
+        std::env::remove_var("LMHEAD_AUTOTUNE");
+        f
+    });
     let info = head.gpu().info().clone();
     let report = (args.suite != "probe-child").then(|| head.kernel_report());
     if let Some(r) = report.as_ref().filter(|r| !r.cubin) {
@@ -384,40 +482,59 @@ fn main() {
             break;
         }
         eprintln!("[{}/{}] {} ({:.0} s elapsed)", i + 1, cases.len(), c.name(), start.elapsed().as_secs_f64());
-        match measure(&head, &stream, c, &args, 0x5EED ^ i as u64) {
-            Ok(r) => {
-                let f = 2.0 * c.t as f64 * c.v as f64 * c.d as f64;
-                let fb = r.fwd_bwd.as_ref().map(|t| format!("{:.2} ({:.2}x)", t.p50, t.p50 / r.gemm.p50)).unwrap_or_else(|| "-".into());
-                println!(
-                    "| {} | {} | {} | {} | {:.3} | {:.3} ({:.2}x) | {:.3} ({:.2}x) | {} | {:.0} | {:.0} | {} / {} / {} |",
-                    c.name(),
-                    c.t,
-                    c.v,
-                    c.d,
-                    r.gemm.p50,
-                    r.fwd.p50,
-                    r.fwd.p50 / r.gemm.p50,
-                    r.fwd_ent.p50,
-                    r.fwd_ent.p50 / r.gemm.p50,
-                    fb,
-                    tflops(f, r.fwd.p50),
-                    r.workspace_mib,
-                    r.fwd_cfg,
-                    r.fwd_ent_cfg,
-                    r.bwd_cfg
-                );
-                if let Some(o) = out.as_mut() {
-                    let rec = json!({
-                        "gpu": info.name, "driver": info.driver_version, "commit": commit(), "suite": args.suite,
-                        "timestamp": crate::unix_now(),
-                        "tuning": if args.fallback { "fallback" } else if args.fixed { "fixed" } else { "auto" },
-                        "row": r,
-                    });
-                    let _ = writeln!(o, "{rec}");
+        let heads: Vec<(&LmHead, &str)> = match &fixed_head {
+            Some(f) => vec![(&head, "auto"), (f, "fixed")],
+            None => vec![(
+                &head,
+                if args.fallback {
+                    "fallback"
+                } else if args.fixed {
+                    "fixed"
+                } else {
+                    "auto"
+                },
+            )],
+        };
+        let hs: Vec<&LmHead> = heads.iter().map(|h| h.0).collect();
+        match measure(&hs, &stream, c, &args, 0x5EED ^ i as u64) {
+            Ok(rows) => {
+                for (r, (_, tuning)) in rows.iter().zip(&heads) {
+                    let f = 2.0 * c.t as f64 * c.v as f64 * c.d as f64;
+                    let fb = r.fwd_bwd.as_ref().map(|t| format!("{:.2} ({:.2}x)", t.p50, t.p50 / r.gemm.p50)).unwrap_or_else(|| "-".into());
+                    let name = if heads.len() > 1 { format!("{} ({tuning})", c.name()) } else { c.name() };
+                    println!(
+                        "| {} | {} | {} | {} | {:.3} | {:.3} ({:.2}x) | {:.3} ({:.2}x) | {} | {:.0} | {:.0} | {} / {} / {} |",
+                        name,
+                        c.t,
+                        c.v,
+                        c.d,
+                        r.gemm.p50,
+                        r.fwd.p50,
+                        r.fwd.p50 / r.gemm.p50,
+                        r.fwd_ent.p50,
+                        r.fwd_ent.p50 / r.gemm.p50,
+                        fb,
+                        tflops(f, r.fwd.p50),
+                        r.workspace_mib,
+                        r.fwd_cfg,
+                        r.fwd_ent_cfg,
+                        r.bwd_cfg
+                    );
+                    if let Some(o) = out.as_mut() {
+                        let rec = json!({
+                            "gpu": info.name, "driver": info.driver_version, "commit": commit(), "suite": args.suite,
+                            "timestamp": crate::unix_now(),
+                            "tuning": tuning,
+                            "row": r,
+                        });
+                        let _ = writeln!(o, "{rec}");
+                    }
                 }
             }
             Err(e) => println!("| {} | {} | {} | {} | error: {e} |", c.name(), c.t, c.v, c.d),
         }
-        head.release_workspace();
+        for (h, _) in &heads {
+            h.release_workspace();
+        }
     }
 }
