@@ -231,11 +231,16 @@ mod table_mode {
         Family::Fwd.candidates().iter().copied().filter(|c| c.is_sm90()).collect()
     }
 
-    /// A table with one Fwd key (t bucket 4096, v 32000, d 4096): sm90[1] wins, sm90[0] 2% behind.
+    /// A table with one Fwd key (t bucket 4096, v 32000, d 4096): sm90[1] wins, sm90[0] 2% behind
+    /// (and is the best fixed config).
     fn table() -> Table {
+        table_with_fixed(sm90()[0])
+    }
+
+    fn table_with_fixed(f: TileConfig) -> Table {
         let s = sm90();
         let mut fixed = BTreeMap::new();
-        fixed.insert(Family::Fwd, s[0]);
+        fixed.insert(Family::Fwd, f);
         Table {
             format: lmhead::tune::table::FORMAT,
             device: "NVIDIA H200".into(),
@@ -337,5 +342,34 @@ mod table_mode {
         let mut calls = BTreeMap::new();
         t.pick(&key(3000), Choice::Auto, &mut counting(&mut calls)).unwrap();
         assert_eq!(calls.len(), Family::Fwd.candidates().len(), "{calls:?}");
+    }
+
+    #[test]
+    fn a_key_beyond_the_table_whose_trials_would_be_sliced_takes_the_fixed_config_untimed() {
+        let t = tuner(true, Fit::Exact, Mode::Table);
+        let k = key(9000);
+        let w = t.pick_sliced(&k, Choice::Auto, true, &mut |_| panic!("no trial on a slice")).unwrap();
+        assert_eq!(w, sm90()[0], "the table's best fixed config");
+        let e = t.entry(&k).unwrap();
+        assert_eq!(e.candidates, vec![(w, Outcome::Fixed)], "cached, and says why");
+        assert_eq!(e.timed(), 0);
+        // A key the table holds still takes the table's winner.
+        assert_eq!(t.pick_sliced(&key(3000), Choice::Auto, true, &mut |_| panic!("table hit")).unwrap(), sm90()[1]);
+        // Exhaustive mode times every candidate whatever the trial's size.
+        let t = tuner(true, Fit::Exact, Mode::Exhaustive);
+        let mut calls = BTreeMap::new();
+        t.pick_sliced(&k, Choice::Auto, true, &mut counting(&mut calls)).unwrap();
+        assert_eq!(calls.len(), Family::Fwd.candidates().len());
+    }
+
+    #[test]
+    fn the_best_fixed_config_runs_in_every_shortlist() {
+        let s = sm90();
+        let f = s[2];
+        let t = Tuner::new(true, Some(h200()), Cache::open(None, "fake")).with_table(Some((table_with_fixed(f), Fit::Exact)), Mode::Table);
+        let mut calls = BTreeMap::new();
+        t.pick(&key(9000), Choice::Auto, &mut counting(&mut calls)).unwrap();
+        assert!(calls.contains_key(&f.suffix(Family::Fwd)), "the fixed config was timed: {calls:?}");
+        assert_eq!(calls.len(), 3, "the two shortlisted configs and the fixed one: {calls:?}");
     }
 }

@@ -121,7 +121,12 @@ pub fn probe(head: &LmHead, _stream: &Arc<CudaStream>, args: &Args) {
                 .filter(|(k, _)| !before.contains(k))
                 .map(|(k, e)| {
                     let timed = e.timed();
-                    let how = if timed == 0 { "table".to_string() } else { format!("{timed} timed") };
+                    let fixed = e.candidates.iter().any(|(_, o)| matches!(o, lmhead::tune::Outcome::Fixed));
+                    let how = match timed {
+                        0 if fixed => "fixed".to_string(),
+                        0 => "table".to_string(),
+                        n => format!("{n} timed"),
+                    };
                     (format!("{:?}", k.family), e.seconds, how)
                 })
                 .collect();

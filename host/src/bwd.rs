@@ -309,6 +309,7 @@ impl LmHead {
         // that. Exhaustive tuning (how the table is made) times the real shape.
         let chunk_problem = Problem::new(p.t, chunk, p.d);
         let rows = if self.tuner.mode() == crate::tune::Mode::Table { p.t.min(crate::fwd::TRIAL_ROWS) } else { p.t };
+        let sliced = rows < p.t;
         let p = Problem::new(rows, p.v, p.d);
         let h = &h.sub(0, p.t * p.d, 2)?;
         let labels = &x.x.labels.rows(p.t)?;
@@ -335,7 +336,7 @@ impl LmHead {
         } else {
             None
         };
-        let cfg_dl = self.tuner.pick(&TuneKey::new(fam_dl, chunk_problem, tp), choice.dlogits, &mut |cfg| {
+        let cfg_dl = self.tuner.pick_sliced(&TuneKey::new(fam_dl, chunk_problem, tp), choice.dlogits, sliced, &mut |cfg| {
             let (st, _, _) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
             let ms = crate::tune::bench::time_ms(stream, || {
                 let sd = dev_out(&mut *st, stream, "tuning staging")?;
@@ -348,7 +349,7 @@ impl LmHead {
             let sd = dev_out(&mut *st, stream, "tuning staging")?;
             launch::bwd_dlogits(&self.gpu, stream, cfg_dl, &x.x, whole, &x.g, &sd)?;
         }
-        let cfg_dh = self.tuner.pick(&TuneKey::new(Family::BwdDh, chunk_problem, tp), choice.dh, &mut |cfg| {
+        let cfg_dh = self.tuner.pick_sliced(&TuneKey::new(Family::BwdDh, chunk_problem, tp), choice.dh, sliced, &mut |cfg| {
             let (st, acc, _) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
             let ms = crate::tune::bench::time_ms(stream, || {
                 let sd = dev_in(&*st, stream, "tuning staging")?;
@@ -358,7 +359,7 @@ impl LmHead {
             })?;
             Ok(crate::tune::Trial { ms, check: sample_dtoh(stream, &*acc, "tuning dh", f64::from)? })
         })?;
-        let cfg_dw = self.tuner.pick(&TuneKey::new(Family::BwdDw, chunk_problem, tp), choice.dw, &mut |cfg| {
+        let cfg_dw = self.tuner.pick_sliced(&TuneKey::new(Family::BwdDw, chunk_problem, tp), choice.dw, sliced, &mut |cfg| {
             let (st, _, out) = scratch.as_mut().ok_or_else(|| Error::Config("no tuning scratch".into()))?;
             let ms = crate::tune::bench::time_ms(stream, || {
                 let sd = dev_in(&*st, stream, "tuning staging")?;

@@ -246,11 +246,13 @@ impl LmHead {
         // Table mode: trials run on a slice, the first rows of h and of W (labels beyond the
         // slice's vocabulary find no column, identically for every candidate). Exhaustive
         // tuning (how the table is made) times the real shape.
+        let whole = p;
         let p = if self.tuner.mode() == Mode::Table { trial_slice(p) } else { p };
+        let sliced = p != whole;
         let (h, w) = (&x.h.sub(0, p.t * p.d, 2)?, &x.w.sub(0, p.v * p.d, 2)?);
         let labels = &x.labels.rows(p.t)?;
         let x = &LogitsIn { dims: Dims { t: p.t, v: p.v, d: p.d }, sc, h, w, labels };
-        self.tuner.pick(&key, choice, &mut |cfg| {
+        self.tuner.pick_sliced(&key, choice, sliced, &mut |cfg| {
             let plan = self.plan_split(family, cfg, p)?;
             let n = plan.n_splits as usize;
             let mut partials = stream

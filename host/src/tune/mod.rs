@@ -7,11 +7,14 @@
 //!
 //! - **table** (the default, `LMHEAD_TUNE=table`): with the shipped table of tuned configs
 //!   ([`table`]) measured on this device model, a key the table holds takes the table's winner
-//!   without trials. Any other key times a shortlist, the table's best configs at the nearest
-//!   keys (on sm90 the `mma.sync` configs are left out: 1.7–2.3× slower at every key of the
-//!   table), on a slice of the caller's inputs (its first 32768 rows; the forward's vocabulary
-//!   cut to ~2⁴⁰ multiply-adds), with one confirmation round. If nothing on the shortlist runs,
-//!   the rest is timed.
+//!   without trials. For any other key:
+//!   - when a trial would see only a slice of the problem (more than 32768 rows, or a forward
+//!     of more than ~2⁴⁰ multiply-adds), the family's best fixed config from the table, without
+//!     trials: in the steady state it beat the slice trials' picks (see [`Tuner::pick_sliced`]);
+//!   - otherwise a shortlist is timed on the whole problem, with one confirmation round: the
+//!     table's best configs at the nearest keys plus the best fixed config (on sm90 the
+//!     `mma.sync` configs are left out: 1.7–2.3× slower at every key of the table). If nothing
+//!     on the shortlist runs, the rest is timed.
 //! - **exhaustive** (`LMHEAD_TUNE=exhaustive`; how the table is made): every candidate on the
 //!   caller's real shape, two confirmation rounds.
 //!
@@ -93,6 +96,10 @@ pub enum Outcome {
     Wrong { rel_l2: f64 },
     /// Not timed here: taken from the shipped table (time relative to the table's winner).
     Table { rel: f64 },
+    /// Not timed: the family's best fixed config from the shipped table, taken for a key the
+    /// table does not hold when a trial could only run on a slice of the problem (see
+    /// [`Tuner::pick_sliced`]).
+    Fixed,
 }
 
 /// The tuning record of one key: the winner and every candidate's outcome.
@@ -241,8 +248,24 @@ impl Tuner {
     }
 
     /// The config for `key` under `choice`; tunes with `trial` on a cache miss (tests drive it
-    /// with fake trials). See the module docs for the modes.
+    /// with fake trials), trials that run the whole problem. See the module docs for the modes.
     pub fn pick(&self, key: &TuneKey, choice: Choice, trial: &mut dyn FnMut(TileConfig) -> Result<Trial>) -> Result<TileConfig> {
+        self.pick_sliced(key, choice, false, trial)
+    }
+
+    /// [`Tuner::pick`] where `sliced` says that `trial` would run only a slice of the problem
+    /// (table mode's trials on large shapes). In table mode a key the table does not hold then
+    /// takes the family's best fixed config without trials: on the H200, over the sweep's 38
+    /// shapes beyond the table, the slice trials' picks ran 1.7–2.2% slower on average in the
+    /// steady state than that fixed config (up to 11% slower), while the table's exhaustive picks
+    /// at its own 65 shapes ran 0.7–1.3% faster (`docs/PERFORMANCE.md`).
+    pub fn pick_sliced(
+        &self,
+        key: &TuneKey,
+        choice: Choice,
+        sliced: bool,
+        trial: &mut dyn FnMut(TileConfig) -> Result<Trial>,
+    ) -> Result<TileConfig> {
         let family = key.family;
         match choice {
             Choice::Fixed(c) => {
@@ -263,6 +286,13 @@ impl Tuner {
             let winner = entry.winner;
             self.finish(key, entry, "table");
             return Ok(winner);
+        }
+        if sliced && self.mode == Mode::Table {
+            if let Some(fixed) = self.table.as_ref().and_then(|(t, _)| t.fixed(family)).filter(|&c| self.loads(family, c)) {
+                let entry = Entry { winner: fixed, candidates: vec![(fixed, Outcome::Fixed)], seconds: start.elapsed().as_secs_f64() };
+                self.finish(key, entry, "fixed");
+                return Ok(fixed);
+            }
         }
         let p = Problem::new(key.bucket.tokens() as usize, key.v as usize, key.d as usize);
         let mut reference: Option<Vec<f64>> = None;
@@ -333,8 +363,15 @@ impl Tuner {
     fn first_pass(&self, key: &TuneKey, p: Problem) -> Vec<(TileConfig, Step)> {
         let family = key.family;
         let sm90 = self.device.as_ref().is_some_and(|d| d.cc.0 == 9);
+        // In table mode the family's best fixed config runs in every race: a pick must beat it.
         let shortlist: Vec<TileConfig> = match (&self.table, self.mode) {
-            (Some((t, _)), Mode::Table) => t.shortlist(key, SHORTLIST_KEYS, SHORTLIST_WITHIN, SHORTLIST_CAP),
+            (Some((t, _)), Mode::Table) => {
+                let mut s = t.shortlist(key, SHORTLIST_KEYS, SHORTLIST_WITHIN, SHORTLIST_CAP);
+                if let Some(f) = t.fixed(family).filter(|f| !s.is_empty() && !s.contains(f)) {
+                    s.push(f);
+                }
+                s
+            }
             _ => Vec::new(),
         };
         let order = shortlist.iter().copied().chain(family.candidates().iter().copied().filter(|c| !shortlist.contains(c)));
