@@ -136,14 +136,17 @@ impl LmHead {
         self.gpu.kernel_report()
     }
 
-    /// Free the workspace (it is re-allocated on the next call).
+    /// Free the workspace, or hand it back to the [`ScratchAlloc`] it came from, after the last
+    /// work that used it (it is allocated again on the next call).
     pub fn release_workspace(&self) {
         self.ws.lock().unwrap().release();
     }
 
-    /// Take every later call's scratch memory from `alloc` (fresh each call, forgotten when the
-    /// call returns), or, with `None`, from the library's own reused workspace (the default).
-    /// See [`ScratchAlloc`] for what the allocator must provide.
+    /// Take every later call's scratch memory from `alloc` (the forward's small buffers kept
+    /// across calls until [`LmHead::release_workspace`], the backward's large ones handed back
+    /// when each call returns), or, with `None`, from the library's own reused workspace (the
+    /// default). Hands back what the workspace holds now. See [`ScratchAlloc`] for what the
+    /// allocator must provide.
     pub fn set_scratch(&self, alloc: Option<Arc<dyn ScratchAlloc>>) {
         self.ws.lock().unwrap().set_scratch(alloc);
     }

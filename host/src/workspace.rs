@@ -7,17 +7,27 @@
 //!   puts the CUDA context in cudarc's multi-stream mode, so every use of these buffers records
 //!   and waits on events: calls may come on different (also borrowed) streams, and a buffer is
 //!   freed only after the last stream that used it is done with it.
-//! - **A caller's allocator** ([`ScratchAlloc`], set with `LmHead::set_scratch`): each call asks
-//!   it for fresh memory, usable on the call's stream until the call returns, and forgets it
-//!   then (the Python package allocates through PyTorch's caching allocator, so its accounting
-//!   and `empty_cache` see the workspace).
+//! - **A caller's allocator** ([`ScratchAlloc`], set with `LmHead::set_scratch`). The small
+//!   buffers of the forward (partials, row states, status words) are kept across calls, grown
+//!   on demand, and handed back ([`ScratchAlloc::free`]) on `LmHead::release_workspace`, on
+//!   growth or on `set_scratch`, each after the last work that used it is done. Every call
+//!   waits (on the device) for the previous call's use of them, so calls may come on different
+//!   streams. The backward's large buffers (staging, `dh` accumulator) are asked for fresh in
+//!   each call and handed back when it returns, so that the caller's allocator can lend that
+//!   memory to others between calls. (The Python package allocates through PyTorch's caching
+//!   allocator, so its accounting and `empty_cache` see the workspace; keeping the forward's
+//!   buffers saves two allocator callbacks per forward.)
 //!
-//! Either way a buffer handed out is zero-filled when it is new, as the kernels' padding
-//! columns expect.
+//! A new buffer is zero-filled only where a kernel may read what no kernel of the call wrote:
+//! the backward's staging buffer (its padding columns). The forward partials, the row states,
+//! the status words and the `dh` accumulator are written before they are read in every call
+//! (the owned buffers are reused across calls of other shapes without clearing, and the tests
+//! compare those calls with the reference), so borrowed ones are handed out uncleared: a memset
+//! of the partials per call would be device time for nothing.
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, SyncOnDrop, ValidAsZeroBits};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, SyncOnDrop, ValidAsZeroBits};
 use lmhead_core::params::Partial;
 
 use crate::borrowed::Borrowed;
@@ -31,28 +41,79 @@ pub struct PartialRepr(pub Partial);
 /// Scratch memory from the caller's allocator.
 pub trait ScratchAlloc: Send + Sync {
     /// At least `bytes` of device memory on the `LmHead`'s device, 256-byte aligned, usable by
-    /// work queued on `stream` until the current `LmHead` call returns; returns its address.
+    /// work queued on `stream` (and, after the library orders it, on other streams of the
+    /// device) until the library calls [`ScratchAlloc::free`] with the returned address.
     fn alloc(&self, bytes: usize, stream: &Arc<CudaStream>) -> Result<u64>;
+
+    /// Take back the memory at `ptr` (an address `alloc` returned). No work queued by the
+    /// library uses it any more (the library synchronises with the last such work first).
+    fn free(&self, ptr: u64);
 }
 
-/// A workspace buffer: the library's own or borrowed from a [`ScratchAlloc`] for one call.
+/// A buffer from a [`ScratchAlloc`]: handed back when dropped, after its last use is done.
+pub struct Lent<T> {
+    view: Borrowed<T>,
+    alloc: Arc<dyn ScratchAlloc>,
+    /// Recorded on the stream of the call that last used the buffer, when that call ended.
+    last_use: Option<CudaEvent>,
+}
+
+impl<T> Lent<T> {
+    /// The view for a call on `stream`, ordered after the buffer's use by earlier calls.
+    fn for_call(&mut self, stream: &Arc<CudaStream>) -> Result<&mut Borrowed<T>> {
+        if let Some(e) = &self.last_use {
+            stream.wait(e).during(|| "ordering the workspace after its last use".into())?;
+        }
+        // SAFETY: the same memory, now used on `stream` (ordered after its earlier uses above).
+        self.view = unsafe { Borrowed::new(self.view.ptr(), self.view.len(), stream) };
+        Ok(&mut self.view)
+    }
+
+    /// The end of a call that used the buffer on `stream`.
+    fn end_call(&mut self, stream: &Arc<CudaStream>) {
+        // Without an event the next use cannot be ordered: synchronise instead (never expected).
+        match stream.record_event(None) {
+            Ok(e) => self.last_use = Some(e),
+            Err(_) => {
+                let _ = stream.synchronize();
+                self.last_use = None;
+            }
+        }
+    }
+}
+
+impl<T> Drop for Lent<T> {
+    fn drop(&mut self) {
+        match &self.last_use {
+            Some(e) => {
+                let _ = e.synchronize();
+            }
+            None => {
+                let _ = self.view.stream().synchronize();
+            }
+        }
+        self.alloc.free(self.view.ptr());
+    }
+}
+
+/// A workspace buffer: the library's own, or lent by a [`ScratchAlloc`].
 pub enum WsBuf<T> {
     Owned(CudaSlice<T>),
-    Borrowed(Borrowed<T>),
+    Lent(Lent<T>),
 }
 
 impl<T> DeviceSlice<T> for WsBuf<T> {
     fn len(&self) -> usize {
         match self {
             WsBuf::Owned(b) => b.len(),
-            WsBuf::Borrowed(b) => b.len(),
+            WsBuf::Lent(b) => b.view.len(),
         }
     }
 
     fn stream(&self) -> &Arc<CudaStream> {
         match self {
             WsBuf::Owned(b) => b.stream(),
-            WsBuf::Borrowed(b) => b.stream(),
+            WsBuf::Lent(b) => b.view.stream(),
         }
     }
 }
@@ -61,7 +122,7 @@ impl<T> DevicePtr<T> for WsBuf<T> {
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
         match self {
             WsBuf::Owned(b) => b.device_ptr(stream),
-            WsBuf::Borrowed(b) => b.device_ptr(stream),
+            WsBuf::Lent(b) => b.view.device_ptr(stream),
         }
     }
 }
@@ -70,7 +131,7 @@ impl<T> DevicePtrMut<T> for WsBuf<T> {
     fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
         match self {
             WsBuf::Owned(b) => b.device_ptr_mut(stream),
-            WsBuf::Borrowed(b) => b.device_ptr_mut(stream),
+            WsBuf::Lent(b) => b.view.device_ptr_mut(stream),
         }
     }
 }
@@ -97,18 +158,38 @@ impl Source {
 pub struct Grow<T> {
     buf: Option<WsBuf<T>>,
     what: &'static str,
+    /// Zero a new buffer (one whose unwritten parts a kernel may read).
+    zero: bool,
+    /// Keep a lent buffer across calls (else it is handed back when the call ends).
+    keep: bool,
+    /// The stream of the current call, while it holds a lent buffer.
+    used_on: Option<Arc<CudaStream>>,
 }
 
 impl<T: DeviceRepr + ValidAsZeroBits> Grow<T> {
+    /// A small buffer written before it is read in every call (lent ones kept across calls).
     pub const fn new(what: &'static str) -> Self {
-        Self { buf: None, what }
+        Self { buf: None, what, zero: false, keep: true, used_on: None }
     }
 
-    /// A buffer of at least `len` elements for a call on `stream` (zeroed when new).
+    /// A large buffer some kernel reads beyond what the call writes: zeroed when new, lent
+    /// ones handed back when the call ends.
+    pub const fn per_call_zeroed(what: &'static str) -> Self {
+        Self { buf: None, what, zero: true, keep: false, used_on: None }
+    }
+
+    /// A large buffer written before it is read in every call, lent ones handed back when the
+    /// call ends.
+    pub const fn per_call(what: &'static str) -> Self {
+        Self { buf: None, what, zero: false, keep: false, used_on: None }
+    }
+
+    /// A buffer of at least `len` elements for a call on `stream` (zeroed when new if
+    /// [`Grow::zeroed`]; the library's own buffers are always zeroed when new).
     pub fn get(&mut self, src: &mut Source, stream: &Arc<CudaStream>, len: usize) -> Result<&mut WsBuf<T>> {
         let len = len.max(1);
         if self.buf.as_ref().is_none_or(|b| b.len() < len) {
-            self.buf = None; // free the old one first
+            self.buf = None; // hand the old one back first
             let bytes = len * std::mem::size_of::<T>();
             let oom = || Error::OutOfMemory { what: self.what, bytes };
             let b = match &src.scratch {
@@ -118,14 +199,21 @@ impl<T: DeviceRepr + ValidAsZeroBits> Grow<T> {
                         return Err(Error::Invalid(format!("the scratch allocator returned address {ptr:#x} for {}", self.what)));
                     }
                     // SAFETY: the allocator's contract: `bytes` of device memory at `ptr`, usable
-                    // on `stream` until this call returns; `end_call` drops this view before.
-                    let mut b = WsBuf::Borrowed(unsafe { Borrowed::new(ptr, len, stream) });
-                    stream.memset_zeros(&mut b).during(|| format!("zeroing {}", self.what))?;
-                    b
+                    // on `stream` until `free(ptr)`, which `Lent`'s drop calls after the last use.
+                    let view = unsafe { Borrowed::new(ptr, len, stream) };
+                    let mut b = Lent { view, alloc: alloc.clone(), last_use: None };
+                    if self.zero {
+                        stream.memset_zeros(&mut b.view).during(|| format!("zeroing {}", self.what))?;
+                    }
+                    WsBuf::Lent(b)
                 }
                 None => WsBuf::Owned(src.own_stream(stream)?.alloc_zeros::<T>(len).map_err(|_| oom())?),
             };
             self.buf = Some(b);
+        }
+        if let Some(WsBuf::Lent(b)) = self.buf.as_mut() {
+            b.for_call(stream)?;
+            self.used_on = Some(stream.clone());
         }
         Ok(self.buf.as_mut().unwrap())
     }
@@ -138,10 +226,14 @@ impl<T: DeviceRepr + ValidAsZeroBits> Grow<T> {
         self.buf = None;
     }
 
-    /// Forget a borrowed buffer (its memory belongs to the caller's allocator).
+    /// The end of a call: a lent buffer records its last use, and is handed back unless kept.
     fn end_call(&mut self) {
-        if matches!(self.buf, Some(WsBuf::Borrowed(_))) {
-            self.buf = None;
+        let Some(stream) = self.used_on.take() else { return };
+        if let Some(WsBuf::Lent(b)) = self.buf.as_mut() {
+            b.end_call(&stream);
+            if !self.keep {
+                self.buf = None;
+            }
         }
     }
 }
@@ -163,8 +255,8 @@ impl Workspace {
             partials: Grow::new("forward partials"),
             row_state: Grow::new("row states"),
             status: Grow::new("status word"),
-            staging: Grow::new("backward d-logits staging"),
-            dh_acc: Grow::new("dh f32 accumulator"),
+            staging: Grow::per_call_zeroed("backward d-logits staging"),
+            dh_acc: Grow::per_call("dh f32 accumulator"),
         }
     }
 
@@ -188,7 +280,7 @@ impl Workspace {
         self.dh_acc.release();
     }
 
-    /// The end of a call: buffers from the caller's allocator are forgotten.
+    /// The end of a call: lent buffers record their last use; the per-call ones go back.
     pub fn end_call(&mut self) {
         self.partials.end_call();
         self.row_state.end_call();
@@ -205,7 +297,7 @@ impl Default for Workspace {
 }
 
 /// The workspace of one call: holds the lock for the whole call (calls on one `LmHead` are
-/// serialised) and forgets borrowed buffers when the call ends, also on error.
+/// serialised) and ends the call for lent buffers when dropped, also on error.
 pub struct CallWs<'a>(pub std::sync::MutexGuard<'a, Workspace>);
 
 impl Drop for CallWs<'_> {

@@ -31,7 +31,6 @@ from ._core import (
     UnavailableError,
     _call,
     _ensure_device,
-    _ScratchScope,
     fused_linear_logprob,
 )
 from .skyrl import FusedLinearLogprob
@@ -72,14 +71,16 @@ def warm_up(
         dev = torch.device("cuda", torch.cuda.current_device())
     counts = [int(t) for t in token_counts]
     with torch.cuda.device(dev):
-        scratch = _ensure_device(dev.index)
-        with _ScratchScope(scratch):
-            _call(_native.warm_up, dev.index, counts, int(vocab), int(hidden), bool(entropy), bool(backward))
+        _ensure_device(dev.index)
+        _call(_native.warm_up, dev.index, counts, int(vocab), int(hidden), bool(entropy), bool(backward))
 
 
 def release_workspace() -> None:
-    """Free the library-owned workspace of every device (with the default PyTorch-allocated
-    workspace there is none; ``torch.cuda.empty_cache()`` returns PyTorch's cached blocks)."""
+    """Hand back the workspace of every device: the forward's buffers, which the library keeps
+    between calls (from PyTorch's allocator by default, so they count in
+    ``torch.cuda.memory_allocated``; afterwards ``torch.cuda.empty_cache()`` can return them to
+    the driver), or the library's own buffers with ``LMHEAD_TORCH_ALLOCATOR=0``. The backward's
+    large buffers are handed back to PyTorch when each backward returns."""
     _native.release_workspace()
 
 

@@ -28,6 +28,7 @@ CPU tensors bf16 runs the float64 backend both ways).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
@@ -77,19 +78,16 @@ def _bad(msg: str) -> ValueError:
 
 class _TorchScratch:
     """The library's workspace allocator: ``torch.empty(nbytes, uint8)`` on the stream the library
-    names (the call's stream), kept in a per-thread list that ``_scratch_call`` clears when the
-    native call returns. PyTorch's caching allocator makes this cheap and stream-ordered, and its
-    accounting (``memory_allocated``, ``empty_cache``) sees the workspace."""
+    names (the call's stream), held until the library hands it back with ``free(address)``. The
+    library keeps the forward's small buffers across calls and hands back the backward's large
+    ones when each call returns (``release_workspace()`` hands back everything). PyTorch's
+    caching allocator makes this cheap and stream-ordered, and its accounting
+    (``memory_allocated``, ``empty_cache``) sees the workspace."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._tls = threading.local()
-
-    def _held(self) -> list:
-        held = getattr(self._tls, "held", None)
-        if held is None:
-            held = self._tls.held = []
-        return held
+        self._held: dict = {}
+        self._lock = threading.Lock()
 
     def __call__(self, nbytes: int, stream: int) -> int:
         cur = torch.cuda.current_stream(self.device)
@@ -99,11 +97,18 @@ class _TorchScratch:
             s = torch.cuda.default_stream(self.device) if stream == 0 else torch.cuda.ExternalStream(stream, device=self.device)
             with torch.cuda.stream(s):
                 t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        self._held().append(t)
-        return t.data_ptr()
+        ptr = t.data_ptr()
+        with self._lock:
+            self._held[ptr] = t
+        return ptr
 
-    def release(self) -> None:
-        self._tls.held = []
+    def free(self, ptr: int) -> None:
+        with self._lock:
+            self._held.pop(ptr, None)
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(t.numel() for t in self._held.values())
 
 
 _devices: dict = {}
@@ -128,19 +133,6 @@ def _ensure_device(index: int) -> Optional[_TorchScratch]:
         _native.set_scratch(index, scratch)
         _devices[index] = scratch
         return scratch
-
-
-class _ScratchScope:
-    def __init__(self, scratch: Optional[_TorchScratch]):
-        self.scratch = scratch
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        if self.scratch is not None:
-            self.scratch.release()
-        return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,6 +307,29 @@ def _gpu_backward_args(index, stream, hb, wb, labels, d, lse, ent, gl, ge, dh, d
             lse.data_ptr(), _ptr(ent), _ptr(gl), _ptr(ge), dh.data_ptr(), f32, _ptr(dw), f32, *tail, reduce, comm)  # fmt: skip
 
 
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+def _on_device(dev: torch.device, always: bool):
+    """``torch.cuda.device(dev)`` when it changes something (another device is current) or
+    ``always`` (tensor parallel: the collectives run on the current device); else no context
+    manager at all (it costs a few microseconds per call)."""
+    if always or dev.index != torch.cuda.current_device():
+        return torch.cuda.device(dev)
+    return _NO_CONTEXT
+
+
+_get_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _raw_stream(dev: torch.device) -> int:
+    """The handle of PyTorch's current stream on ``dev`` (without building a Stream object
+    where this PyTorch has the direct accessor)."""
+    if _get_raw_stream is not None:
+        return _get_raw_stream(dev.index)
+    return torch.cuda.current_stream(dev).cuda_stream
+
+
 def _forward(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, cfg: _Cfg):
     """``(logprob, lse, entropy or None)``, f32 ``[t]``, for 2-D ``h`` and ``w`` (any float dtype)."""
     t, d = h.shape
@@ -332,12 +347,11 @@ def _forward(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, cfg: _Cfg):
         labels = torch.where((labels < 0) | (labels >= v_total), torch.full_like(labels, cfg.ignore_index), labels)
     args_tail = (cfg.temperature, cfg.ignore_index, _v_begin(cfg), _v_total(cfg, v))
     if dev.type == "cuda":
-        with torch.cuda.device(dev):
-            scratch = _ensure_device(dev.index)
-            stream = torch.cuda.current_stream(dev).cuda_stream
+        with _on_device(dev, cfg.tp is not None):
+            _ensure_device(dev.index)
+            stream = _raw_stream(dev)
             comm = cfg.tp.cuda_comm(dev) if cfg.tp is not None else None
-            with _ScratchScope(scratch):
-                _call(_native.gpu_forward, *_gpu_forward_args(dev.index, stream, hb, wb, labels, k * d, lp, lse, ent, args_tail, comm))
+            _call(_native.gpu_forward, *_gpu_forward_args(dev.index, stream, hb, wb, labels, k * d, lp, lse, ent, args_tail, comm))
     else:
         lab64 = labels.to(torch.int64).contiguous()
         comm = cfg.tp.host_comm() if cfg.tp is not None else None
@@ -390,16 +404,15 @@ def _backward(h, w, labels, lse, ent, g_lp, g_ent, need_dw: bool, cfg: _Cfg):
             reduce = 0 if v_total_b == v else 2
         else:
             reduce = 1 if native_reduce else 2
-        with torch.cuda.device(dev):
-            scratch = _ensure_device(dev.index)
-            stream = torch.cuda.current_stream(dev).cuda_stream
+        with _on_device(dev, tp is not None):
+            _ensure_device(dev.index)
+            stream = _raw_stream(dev)
             comm = tp.cuda_comm(dev) if tp is not None else None
-            with _ScratchScope(scratch):
-                args = _gpu_backward_args(
-                    dev.index, stream, h, w, labels_b, d, lse, ent if ge is not None else None, gl, ge, dh, dw, f32_grads,
-                    (cfg.temperature, cfg.ignore_index, v_begin, v_total_b), reduce, comm,
-                )  # fmt: skip
-                _call(_native.gpu_backward, *args)
+            args = _gpu_backward_args(
+                dev.index, stream, h, w, labels_b, d, lse, ent if ge is not None else None, gl, ge, dh, dw, f32_grads,
+                (cfg.temperature, cfg.ignore_index, v_begin, v_total_b), reduce, comm,
+            )  # fmt: skip
+            _call(_native.gpu_backward, *args)
     else:
         lab64 = labels_b.to(torch.int64).contiguous()
         comm = tp.host_comm() if tp is not None else None
@@ -492,7 +505,8 @@ class _LmHeadFn(torch.autograd.Function):
         # A copy of the entropy (the backward reads it), so that callers may modify the returned
         # tensors in place.
         ctx.lse = lse
-        ctx.ent = ent.clone() if ent is not None else None
+        # (Only when a gradient can flow: a no-grad call skips the copy.)
+        ctx.ent = ent.clone() if ent is not None and any(ctx.needs_input_grad[:2]) else None
         return lp, ent
 
     @staticmethod
@@ -596,7 +610,11 @@ def fused_linear_logprob(
     if tp_group is not None:
         tp = _make_tp(tp_group, int(weight.shape[0]), vocab_start_index, vocab_size, hidden.device)
     cfg = _Cfg(temperature=temp, ignore_index=int(ignore_index), entropy=bool(return_entropy), tp=tp, reduce_dh=bool(reduce_hidden_grad))
-    lp, ent = _LmHeadFn.apply(h2, weight, lab, cfg)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        lp, ent = _LmHeadFn.apply(h2, weight, lab, cfg)
+    else:
+        # Nothing to differentiate: the forward alone, without the autograd node's overhead.
+        lp, _, ent = _forward(h2, weight, lab, cfg)
     lp = lp.view(lead)
     ent = ent.view(lead) if ent is not None else None
     return lp, ent

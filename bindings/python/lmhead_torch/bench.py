@@ -266,8 +266,7 @@ def _overhead(h, w, labels, reps: int, cuda: bool) -> Dict[str, float]:
             _native.set_scratch(idx, scratch)  # frees the library's workspace again
 
     def rust_torch_once(fn, args) -> float:
-        with _core._ScratchScope(scratch):
-            return fn(*args, 1)[0]
+        return fn(*args, 1)[0]
 
     def binding_once(call) -> float:
         t0 = time.perf_counter()
@@ -280,15 +279,24 @@ def _overhead(h, w, labels, reps: int, cuda: bool) -> Dict[str, float]:
         the median of the per-pair differences is the binding's own cost, free of the clock
         drift that separates two blocks of calls on a GPU at its power limit."""
         rust, bind, diff = [], [], []
-        for i in range(reps + 2):
+        for i in range(pairs + 2):
             a = rust_torch_once(fn, args)
             b = binding_once(call)
             if i >= 2:
                 rust.append(a)
                 bind.append(b)
                 diff.append(b - a)
-        return {"rust": statistics.median(rust) * 1e6, "binding": statistics.median(bind) * 1e6, "diff": statistics.median(diff) * 1e6}
+        q = statistics.quantiles(diff, n=4)
+        return {
+            "rust": statistics.median(rust) * 1e6,
+            "binding": statistics.median(bind) * 1e6,
+            "diff": statistics.median(diff) * 1e6,
+            # The interquartile range of the differences: the measurement's own spread.
+            "diff_iqr": (q[2] - q[0]) * 1e6,
+        }
 
+    # Enough pairs that the median difference is not the GPU's clock noise (±2% of a call).
+    pairs = max(reps, 30)
     hh = h.detach().requires_grad_(True)
     cfg = _core._Cfg(1.0, -100, True, None, True)
 
@@ -313,6 +321,8 @@ def _overhead(h, w, labels, reps: int, cuda: bool) -> Dict[str, float]:
     res["overhead_fwd_us"] = pf["diff"]
     res["overhead_fwd_autograd_us"] = pa["diff"]
     res["overhead_bwd_us"] = pb["diff"]
+    res["overhead_fwd_iqr_us"] = pf["diff_iqr"]
+    res["overhead_bwd_iqr_us"] = pb["diff_iqr"]
     res["torch_ws_fwd_us"] = res["rust_torch_ws_fwd_us"] - res["rust_fwd_us"]
     res["torch_ws_bwd_us"] = res["rust_torch_ws_bwd_us"] - res["rust_bwd_us"]
     n = 2000
@@ -424,8 +434,9 @@ def markdown(rows: List[dict]) -> str:
                 note = "log-prob only, reduction=sum"
             if "overhead_fwd_us" in r:
                 note = (
-                    f"overhead fwd {r['overhead_fwd_us']:.1f} µs on {r['rust_fwd_us']:.0f} (autograd {r['overhead_fwd_autograd_us']:.1f}), "
-                    f"bwd {r['overhead_bwd_us']:.1f} µs on {r['rust_bwd_us']:.0f}; of which torch-allocated workspace "
+                    f"overhead fwd {r['overhead_fwd_us']:.1f} µs (IQR {r['overhead_fwd_iqr_us']:.0f}) on {r['rust_fwd_us']:.0f} "
+                    f"(autograd {r['overhead_fwd_autograd_us']:.1f}), bwd {r['overhead_bwd_us']:.1f} µs (IQR {r['overhead_bwd_iqr_us']:.0f}) "
+                    f"on {r['rust_bwd_us']:.0f}; besides, the torch-allocated workspace "
                     f"{r['torch_ws_fwd_us']:.1f} / {r['torch_ws_bwd_us']:.1f} µs; no-op call {r['noop_call_us']:.2f} µs; "
                     f"goal {'met' if r['overhead_fwd_goal_met'] and r['overhead_bwd_goal_met'] else 'MISSED'}"
                 )

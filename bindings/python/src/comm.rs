@@ -120,7 +120,7 @@ impl lmhead::cpu::HostComm for SingleHost {
 }
 
 /// Workspace memory from PyTorch: `alloc(nbytes, stream) -> address`, a tensor the Python side
-/// keeps until the call returns.
+/// keeps until the library calls `free(address)`.
 pub struct PyScratch {
     cb: Py<PyAny>,
 }
@@ -138,6 +138,15 @@ impl lmhead::ScratchAlloc for PyScratch {
                 stash(e);
                 Error::OutOfMemory { what: "workspace (PyTorch allocator)", bytes }
             })
+        })
+    }
+
+    fn free(&self, ptr: u64) {
+        Python::attach(|py| {
+            // Dropping a tensor cannot fail; an exception here would be a bug in `_TorchScratch`.
+            if let Err(e) = self.cb.call_method1(py, "free", (ptr,)) {
+                e.print(py);
+            }
         })
     }
 }

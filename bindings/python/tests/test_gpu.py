@@ -213,16 +213,25 @@ def test_two_threads_two_streams():
 
 
 def test_workspace_comes_from_torch():
-    """With the default allocator the library holds no memory of its own: its workspace shows in
-    torch's peak (the backward's staging, t·S bf16) and is back in torch's cache afterwards."""
+    """With the default allocator the workspace is PyTorch memory: the backward's staging (t·S
+    bf16) shows in torch's peak and is back in torch's cache when the call returns; the
+    forward's small buffers stay held (counted by torch and by the library alike) until
+    release_workspace() hands them back."""
     if os.environ.get("LMHEAD_TORCH_ALLOCATOR", "1") == "0":
         pytest.skip("LMHEAD_TORCH_ALLOCATOR=0")
+    from lmhead_torch import _core
+
+    dev = torch.cuda.current_device()
     t, v, d = 4096, 32000, 1024
     h, w, labels = _inputs(t, v, d, seed=21)
     h.requires_grad_(True)
     lp, ent = L.fused_linear_logprob(h, w, labels)  # tunes (outside the measurement)
     lp.sum().backward()
     h.grad = None
+    del lp, ent
+    L.release_workspace()
+    scratch = _core._devices[dev]
+    assert scratch.held_bytes() == 0 and _native.workspace_bytes(dev) == 0
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -232,11 +241,33 @@ def test_workspace_comes_from_torch():
     peak = torch.cuda.max_memory_allocated() - base
     staging = t * min(v, 32768) * 2
     assert peak >= staging, f"peak {peak} < staging {staging}: the workspace is not allocated through torch"
-    assert _native.workspace_bytes(torch.cuda.current_device()) == 0
+    held = scratch.held_bytes()
+    assert 0 < held < staging, f"held {held}: only the forward's small buffers stay"
+    assert _native.workspace_bytes(dev) == held
     del lp, ent
     h.grad = None
     torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= base + held + (1 << 20)
+    L.release_workspace()
+    assert scratch.held_bytes() == 0 and _native.workspace_bytes(dev) == 0
     assert torch.cuda.memory_allocated() <= base + (1 << 20)
+
+
+def test_kept_workspace_across_streams():
+    """The forward's kept buffers are used by calls on different streams back to back, without
+    a synchronisation between them: each call waits for the previous one's use."""
+    cases = [_inputs(6000, 40000, 1024, seed=40 + i) for i in range(2)]
+    refs = [reference(h, w, labels) for h, w, labels in cases]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()
+    for _ in range(2):
+        outs = []
+        for (h, w, labels), s in zip(cases, streams):
+            with torch.cuda.stream(s):
+                outs.append(L.fused_linear_logprob(h, w, labels))
+        torch.cuda.synchronize()
+        for (lp, ent), r in zip(outs, refs):
+            check_forward_gpu(lp, ent, r, 1024, "kept workspace, two streams")
 
 
 def test_fp32_operands():
