@@ -496,7 +496,24 @@ fn main() {
             )],
         };
         let hs: Vec<&LmHead> = heads.iter().map(|h| h.0).collect();
-        match measure(&hs, &stream, c, &args, 0x5EED ^ i as u64) {
+        let seed = 0x5EED ^ i as u64;
+        let measured = match measure(&hs, &stream, c, &args, seed) {
+            // Two heads' workspaces beside cuBLAS's logits may not fit where one does: then one
+            // head at a time (same inputs, no longer in the same rounds).
+            Err(lmhead::Error::OutOfMemory { .. }) if hs.len() > 1 => {
+                eprintln!("{}: out of memory with both heads; measuring them one after the other", c.name());
+                hs.iter()
+                    .map(|&h| {
+                        h.release_workspace();
+                        let r = measure(&[h], &stream, c, &args, seed).map(|mut v| v.remove(0));
+                        h.release_workspace();
+                        r
+                    })
+                    .collect::<lmhead::Result<Vec<Row>>>()
+            }
+            r => r,
+        };
+        match measured {
             Ok(rows) => {
                 for (r, (_, tuning)) in rows.iter().zip(&heads) {
                     let f = 2.0 * c.t as f64 * c.v as f64 * c.d as f64;
