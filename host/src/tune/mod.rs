@@ -134,7 +134,8 @@ pub const CONFIRM_WITHIN: f64 = 1.15;
 pub const CONFIRM_ROUNDS: usize = 2;
 
 /// Shortlists (table mode): the configs within this factor of the best at the nearest
-/// [`SHORTLIST_KEYS`] keys of the table, at most [`SHORTLIST_CAP`]; one confirmation round.
+/// [`SHORTLIST_KEYS`] keys of the table, at most [`SHORTLIST_CAP`], plus the family's best
+/// fixed config; one confirmation round.
 pub const SHORTLIST_WITHIN: f64 = 1.05;
 pub const SHORTLIST_KEYS: usize = 2;
 pub const SHORTLIST_CAP: usize = 3;
