@@ -247,6 +247,7 @@ mod table_mode {
             source: "test".into(),
             ptx_hash: String::new(),
             fixed,
+            fixed_only: Vec::new(),
             entries: vec![TableEntry { family: Family::Fwd, bucket: 4096, d: 4096, v: 32000, ranking: vec![(s[1], 1.0), (s[0], 1.02)] }],
         }
     }
@@ -371,5 +372,17 @@ mod table_mode {
         t.pick(&key(9000), Choice::Auto, &mut counting(&mut calls)).unwrap();
         assert!(calls.contains_key(&f.suffix(Family::Fwd)), "the fixed config was timed: {calls:?}");
         assert_eq!(calls.len(), 3, "the two shortlisted configs and the fixed one: {calls:?}");
+    }
+
+    #[test]
+    fn a_fixed_only_family_takes_its_fixed_config_even_at_a_key_the_table_holds() {
+        let s = sm90();
+        let mut table = table();
+        table.fixed_only = vec![Family::Fwd];
+        let t = Tuner::new(true, Some(h200()), Cache::open(None, "fake")).with_table(Some((table, Fit::Exact)), Mode::Table);
+        let w = t.pick(&key(3000), Choice::Auto, &mut |_| panic!("no trial for a fixed-only family")).unwrap();
+        assert_eq!(w, s[0], "the fixed config, not the table's winner s[1]");
+        assert_eq!(t.entry(&key(3000)).unwrap().candidates, vec![(s[0], Outcome::Fixed)]);
+        assert_eq!(t.pick(&key(9000), Choice::Auto, &mut |_| panic!("none beyond the table either")).unwrap(), s[0]);
     }
 }

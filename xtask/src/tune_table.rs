@@ -1,4 +1,6 @@
-//! `cargo xtask tune-table <tune-table.jsonl>... [--out FILE] [--report FILE] [--ptx-hash H]`: merge the records
+//! `cargo xtask tune-table <tune-table.jsonl>... [--out FILE] [--report FILE] [--ptx-hash H]
+//! [--fixed-only FAMILY,...]` (families whose picks lost to the fixed config in the steady state:
+//! table mode takes the fixed config for them at every key): merge the records
 //! of `lmhead-bench tune-table` runs (by key; the latest record of a key wins), write the shipped
 //! table of tuned configs (`host/tuned/<device>.json`, read by `host/src/tune/table.rs`), and
 //! print the autotuned-vs-best-fixed report from the same records.
@@ -118,19 +120,27 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let mut out = None;
     let mut report = None;
     let mut ptx_hash = None;
+    let mut fixed_only: Vec<Family> = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--out" => out = Some(it.next().ok_or("--out needs a file")?.clone()),
             "--report" => report = Some(it.next().ok_or("--report needs a file")?.clone()),
             "--ptx-hash" => ptx_hash = Some(it.next().ok_or("--ptx-hash needs a value")?.clone()),
+            "--fixed-only" => {
+                for f in it.next().ok_or("--fixed-only needs families (e.g. BwdDlogits,BwdDlogitsEnt)")?.split(',') {
+                    let fam: Family = serde_json::from_value(serde_json::Value::String(f.trim().into()))
+                        .map_err(|_| format!("--fixed-only: unknown family {f}"))?;
+                    fixed_only.push(fam);
+                }
+            }
             s if s.starts_with('-') => return Err(format!("unknown option {s}")),
             f => files.push(f.to_string()),
         }
     }
     if files.is_empty() {
         return Err(
-            "usage: cargo xtask tune-table <tune-table.jsonl>... [--out host/tuned/<device>.json] [--report FILE.md] [--ptx-hash H]".into(),
+            "usage: cargo xtask tune-table <tune-table.jsonl>... [--out host/tuned/<device>.json] [--report FILE.md] [--ptx-hash H] [--fixed-only FAMILY,...]".into(),
         );
     }
     let (gpu, keys, shapes, hashes) = read(&files)?;
@@ -242,11 +252,14 @@ pub fn run(args: &[String]) -> Result<(), String> {
                 serde_json::json!({"family": f, "bucket": b, "d": d, "v": v, "ranking": ranking})
             })
             .collect();
-        let table = serde_json::json!({
+        let mut table = serde_json::json!({
             "format": 1, "device": gpu, "ptx_hash": ptx_hash,
             "source": format!("cargo xtask tune-table {}", files.iter().map(|f| f.rsplit('/').next().unwrap_or(f)).collect::<Vec<_>>().join(" ")),
             "fixed": fixed, "entries": entries,
         });
+        if !fixed_only.is_empty() {
+            table["fixed_only"] = serde_json::to_value(&fixed_only).map_err(|e| e.to_string())?;
+        }
         let mut text = serde_json::to_string(&table).map_err(|e| e.to_string())?;
         // One entry per line: reviewable diffs.
         text = text.replace("},{\"family\"", "},\n{\"family\"");

@@ -7,7 +7,9 @@
 //!
 //! - **table** (the default, `LMHEAD_TUNE=table`): with the shipped table of tuned configs
 //!   ([`table`]) measured on this device model, a key the table holds takes the table's winner
-//!   without trials. For any other key:
+//!   without trials, except for the families the table lists as `fixed_only` (on the H200 the
+//!   d-logits families: their picks made training steps 1.2–3.6% slower than the fixed config
+//!   in the steady-state sweep), which take the fixed config. For any other key:
 //!   - when a trial would see only a slice of the problem (more than 32768 rows, or a forward
 //!     of more than ~2⁴⁰ multiply-adds), the family's best fixed config from the table, without
 //!     trials: in the steady state it beat the slice trials' picks (see [`Tuner::pick_sliced`]);
@@ -255,8 +257,9 @@ impl Tuner {
     }
 
     /// [`Tuner::pick`] where `sliced` says that `trial` would run only a slice of the problem
-    /// (table mode's trials on large shapes). In table mode a key the table does not hold then
-    /// takes the family's best fixed config without trials: on the H200, over the sweep's 38
+    /// (table mode's trials on large shapes). In table mode a family the table lists as
+    /// `fixed_only` takes its best fixed config at every key, and so does a key the table does
+    /// not hold when `sliced`, without trials: on the H200, over the sweep's 38
     /// shapes beyond the table, the slice trials' picks ran 1.7–2.2% slower on average in the
     /// steady state than that fixed config (up to 11% slower), while the table's exhaustive picks
     /// at its own 65 shapes ran 0.7–1.3% faster (`docs/PERFORMANCE.md`).
@@ -283,12 +286,12 @@ impl Tuner {
             return Ok(e.winner);
         }
         let start = std::time::Instant::now();
-        if let Some(entry) = self.table_pick(key) {
+        if let Some(entry) = self.table_pick(key).filter(|_| !self.table.as_ref().is_some_and(|(t, _)| t.fixed_only(family))) {
             let winner = entry.winner;
             self.finish(key, entry, "table");
             return Ok(winner);
         }
-        if sliced && self.mode == Mode::Table {
+        if (sliced || self.table.as_ref().is_some_and(|(t, _)| t.fixed_only(family))) && self.mode == Mode::Table {
             if let Some(fixed) = self.table.as_ref().and_then(|(t, _)| t.fixed(family)).filter(|&c| self.loads(family, c)) {
                 let entry = Entry { winner: fixed, candidates: vec![(fixed, Outcome::Fixed)], seconds: start.elapsed().as_secs_f64() };
                 self.finish(key, entry, "fixed");

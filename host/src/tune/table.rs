@@ -8,7 +8,9 @@
 //! - any other key (or another sm90 device): the table's best few configs at the nearest keys
 //!   are the shortlist that is timed, instead of every candidate;
 //! - tuning off (`LMHEAD_AUTOTUNE=0`), or a tuning whose trials all failed: the family's best
-//!   fixed config, the one with the smallest geometric-mean slowdown over every key of the table.
+//!   fixed config, the one with the smallest geometric-mean slowdown over every key of the table;
+//!   so do, in table mode, the families the table lists as `fixed_only` (their picks lost to the
+//!   fixed config in the steady state) and keys beyond the table whose trials would be sliced.
 //!
 //! Configs the build does not compile (a table older than the candidate lists) are dropped on
 //! load, so a stale table can only be less useful, never wrong.
@@ -52,6 +54,10 @@ pub struct Table {
     pub ptx_hash: String,
     /// Per family, the best fixed config (smallest geometric-mean slowdown over the table's keys).
     pub fixed: BTreeMap<Family, TileConfig>,
+    /// Families whose table picks lost to their fixed config in the steady state (`lmhead-bench
+    /// sweep --versus-fixed`): table mode takes the fixed config for them at every key.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fixed_only: Vec<Family>,
     pub entries: Vec<TableEntry>,
 }
 
@@ -134,6 +140,11 @@ impl Table {
     pub fn fixed(&self, family: Family) -> Option<TileConfig> {
         self.fixed.get(&family).copied()
     }
+
+    /// Whether table mode takes `family`'s fixed config at every key (see [`Table::fixed_only`]).
+    pub fn fixed_only(&self, family: Family) -> bool {
+        self.fixed_only.contains(&family)
+    }
 }
 
 #[cfg(test)]
@@ -156,6 +167,8 @@ mod tests {
                 assert!(t.fixed(f).is_some_and(|c| c.is_sm90()), "{name}: no sm90 fixed config for {f:?}");
             }
             assert_eq!(t.ptx_hash.len(), 16, "{name}: no PTX hash");
+            // The steady-state sweep's finding (docs/PERFORMANCE.md): the d-logits picks lost.
+            assert!(t.fixed_only(Family::BwdDlogits) && t.fixed_only(Family::BwdDlogitsEnt), "{name}");
             if t.ptx_hash != crate::ptx::ptx_hash() {
                 // Not an error: the table then serves as a prior (shortlists are timed). A new
                 // `lmhead-bench tune-table` run on the GPU brings back zero-trial picks.
@@ -179,6 +192,7 @@ mod tests {
             source: String::new(),
             ptx_hash: String::new(),
             fixed: BTreeMap::new(),
+            fixed_only: Vec::new(),
             entries: vec![
                 entry(2048, 2048, 248_320, vec![(c[7], 1.0), (c[8], 1.01), (c[9], 1.2)]),
                 entry(4096, 4096, 128_256, vec![(c[9], 1.0), (c[8], 1.03)]),
