@@ -9,8 +9,8 @@
 //!   ([`table`]) measured on this device model, a key the table holds takes the table's winner
 //!   without trials, except for the families the table lists as `fixed_only` (on the H200 the
 //!   d-logits families: where their picks differed, training steps ran 1.5% slower on average
-//!   than with the fixed config, up to 6%,
-//!   in the steady-state sweep), which take the fixed config. For any other key:
+//!   than with the fixed config, up to 6%, in the steady-state sweep), which take the fixed
+//!   config. For any other key:
 //!   - when a trial would see only a slice of the problem (more than 32768 rows, or a forward
 //!     of more than ~2⁴⁰ multiply-adds), the family's best fixed config from the table, without
 //!     trials: in the steady state it beat the slice trials' picks (see [`Tuner::pick_sliced`]);
