@@ -258,7 +258,8 @@ impl<'a> Ops<'a> {
 
 /// Times `heads` (usually one; with `--versus-fixed` the autotuned head and the fixed one) on
 /// one shape's inputs: every round times cuBLAS once, then each head's forward, forward with
-/// entropy and forward+backward in turn, so that all see the same clock and temperature. One
+/// entropy and forward+backward in turn (the heads taking turns going first), so that all see
+/// the same clock and temperature. One
 /// [`Row`] per head, in order.
 fn measure(heads: &[&LmHead], stream: &Arc<CudaStream>, c: &Case, args: &Args, seed: u64) -> lmhead::Result<Vec<Row>> {
     let p = Problem::new(c.t, c.v, c.d);
@@ -306,6 +307,11 @@ fn measure(heads: &[&LmHead], stream: &Arc<CudaStream>, c: &Case, args: &Args, s
     let mut t_gemm = Vec::new();
     for r in 0..args.reps {
         t_gemm.push(sample(stream, &mut || blas.run(&h, &w))?);
+        // Several heads take turns going first, so that none always runs right after cuBLAS
+        // (at identical configs a fixed order showed a bias of about ±0.5%).
+        if r > 0 {
+            ops.rotate_left(1);
+        }
         for o in ops.iter_mut() {
             let ms = sample(stream, &mut || o.run(stream, &data, Op::Fwd))?;
             o.t.fwd.push(ms);
@@ -319,6 +325,9 @@ fn measure(heads: &[&LmHead], stream: &Arc<CudaStream>, c: &Case, args: &Args, s
     }
     drop(blas);
     let gemm = timing(t_gemm);
+    // Back to the callers' order (each round rotated by one).
+    let n = ops.len();
+    ops.rotate_right(args.reps.saturating_sub(1) % n);
     let mut rows = Vec::new();
     for o in ops {
         // Check the timed runs' outputs on sampled rows: log-prob of both forwards.
