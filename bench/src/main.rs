@@ -259,8 +259,7 @@ impl<'a> Ops<'a> {
 /// Times `heads` (usually one; with `--versus-fixed` the autotuned head and the fixed one) on
 /// one shape's inputs: every round times cuBLAS once, then each head's forward, forward with
 /// entropy and forward+backward in turn (the heads taking turns going first), so that all see
-/// the same clock and temperature. One
-/// [`Row`] per head, in order.
+/// the same clock and temperature. One [`Row`] per head, in order.
 fn measure(heads: &[&LmHead], stream: &Arc<CudaStream>, c: &Case, args: &Args, seed: u64) -> lmhead::Result<Vec<Row>> {
     let p = Problem::new(c.t, c.v, c.d);
     let hs = random_bf16(c.t * c.d, 4.0 / (c.d as f32).sqrt(), seed);
