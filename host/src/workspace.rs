@@ -45,8 +45,12 @@ pub trait ScratchAlloc: Send + Sync {
     /// device) until the library calls [`ScratchAlloc::free`] with the returned address.
     fn alloc(&self, bytes: usize, stream: &Arc<CudaStream>) -> Result<u64>;
 
-    /// Take back the memory at `ptr` (an address `alloc` returned). No work queued by the
-    /// library uses it any more (the library synchronises with the last such work first).
+    /// Take back the memory at `ptr` (an address `alloc` returned). Either no work queued by
+    /// the library uses it any more (a buffer kept across calls: the library synchronises with
+    /// its last use first), or only work queued on the stream it was allocated on does (a
+    /// per-call buffer, handed back as its call returns): the allocator must then reuse it only
+    /// for work ordered after that stream's queued work, as a stream-ordered allocator such as
+    /// PyTorch's caching allocator does.
     fn free(&self, ptr: u64);
 }
 
@@ -54,43 +58,55 @@ pub trait ScratchAlloc: Send + Sync {
 pub struct Lent<T> {
     view: Borrowed<T>,
     alloc: Arc<dyn ScratchAlloc>,
-    /// Recorded on the stream of the call that last used the buffer, when that call ended.
-    last_use: Option<CudaEvent>,
+    last_use: LastUse,
+}
+
+/// What a [`Lent`] buffer's next user (or its drop) must wait for.
+enum LastUse {
+    /// Only the current call has used it (on the view's stream, alive until the call returns).
+    ThisCall,
+    /// Recorded on the stream of the call that last used it, when that call ended.
+    Event(CudaEvent),
+    /// Nothing to wait for: that call's stream was synchronised (no event could be recorded),
+    /// or the buffer is handed back stream-ordered (see [`ScratchAlloc::free`]).
+    Done,
 }
 
 impl<T> Lent<T> {
     /// The view for a call on `stream`, ordered after the buffer's use by earlier calls.
     fn for_call(&mut self, stream: &Arc<CudaStream>) -> Result<&mut Borrowed<T>> {
-        if let Some(e) = &self.last_use {
+        if let LastUse::Event(e) = &self.last_use {
             stream.wait(e).during(|| "ordering the workspace after its last use".into())?;
         }
         // SAFETY: the same memory, now used on `stream` (ordered after its earlier uses above).
         self.view = unsafe { Borrowed::new(self.view.ptr(), self.view.len(), stream) };
+        self.last_use = LastUse::ThisCall;
         Ok(&mut self.view)
     }
 
     /// The end of a call that used the buffer on `stream`.
     fn end_call(&mut self, stream: &Arc<CudaStream>) {
-        // Without an event the next use cannot be ordered: synchronise instead (never expected).
-        match stream.record_event(None) {
-            Ok(e) => self.last_use = Some(e),
+        self.last_use = match stream.record_event(None) {
+            Ok(e) => LastUse::Event(e),
+            // Without an event the next use cannot be ordered: wait for this one instead.
             Err(_) => {
                 let _ = stream.synchronize();
-                self.last_use = None;
+                LastUse::Done
             }
-        }
+        };
     }
 }
 
 impl<T> Drop for Lent<T> {
     fn drop(&mut self) {
         match &self.last_use {
-            Some(e) => {
+            LastUse::Event(e) => {
                 let _ = e.synchronize();
             }
-            None => {
+            LastUse::ThisCall => {
                 let _ = self.view.stream().synchronize();
             }
+            LastUse::Done => {}
         }
         self.alloc.free(self.view.ptr());
     }
@@ -201,7 +217,7 @@ impl<T: DeviceRepr + ValidAsZeroBits> Grow<T> {
                     // SAFETY: the allocator's contract: `bytes` of device memory at `ptr`, usable
                     // on `stream` until `free(ptr)`, which `Lent`'s drop calls after the last use.
                     let view = unsafe { Borrowed::new(ptr, len, stream) };
-                    let mut b = Lent { view, alloc: alloc.clone(), last_use: None };
+                    let mut b = Lent { view, alloc: alloc.clone(), last_use: LastUse::ThisCall };
                     if self.zero {
                         stream.memset_zeros(&mut b.view).during(|| format!("zeroing {}", self.what))?;
                     }
@@ -230,8 +246,12 @@ impl<T: DeviceRepr + ValidAsZeroBits> Grow<T> {
     fn end_call(&mut self) {
         let Some(stream) = self.used_on.take() else { return };
         if let Some(WsBuf::Lent(b)) = self.buf.as_mut() {
-            b.end_call(&stream);
-            if !self.keep {
+            if self.keep {
+                b.end_call(&stream);
+            } else {
+                // Used only in this call, on the stream it was allocated on: handed back
+                // stream-ordered, without waiting for the call's work (the host runs ahead).
+                b.last_use = LastUse::Done;
                 self.buf = None;
             }
         }
