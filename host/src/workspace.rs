@@ -63,7 +63,8 @@ pub struct Lent<T> {
 
 /// What a [`Lent`] buffer's next user (or its drop) must wait for.
 enum LastUse {
-    /// Only the current call has used it (on the view's stream, alive until the call returns).
+    /// The current call uses it (on the view's stream, alive until the call returns): set by
+    /// every call that asks for the buffer, so it also marks the buffers a call used.
     ThisCall,
     /// Recorded on the stream of the call that last used it, when that call ended.
     Event(CudaEvent),
@@ -84,8 +85,9 @@ impl<T> Lent<T> {
         Ok(&mut self.view)
     }
 
-    /// The end of a call that used the buffer on `stream`.
-    fn end_call(&mut self, stream: &Arc<CudaStream>) {
+    /// The end of a call that used the buffer (on the view's stream, the call's).
+    fn end_call(&mut self) {
+        let stream = self.view.stream();
         self.last_use = match stream.record_event(None) {
             Ok(e) => LastUse::Event(e),
             // Without an event the next use cannot be ordered: wait for this one instead.
@@ -178,26 +180,24 @@ pub struct Grow<T> {
     zero: bool,
     /// Keep a lent buffer across calls (else it is handed back when the call ends).
     keep: bool,
-    /// The stream of the current call, while it holds a lent buffer.
-    used_on: Option<Arc<CudaStream>>,
 }
 
 impl<T: DeviceRepr + ValidAsZeroBits> Grow<T> {
     /// A small buffer written before it is read in every call (lent ones kept across calls).
     pub const fn new(what: &'static str) -> Self {
-        Self { buf: None, what, zero: false, keep: true, used_on: None }
+        Self { buf: None, what, zero: false, keep: true }
     }
 
     /// A large buffer some kernel reads beyond what the call writes: zeroed when new, lent
     /// ones handed back when the call ends.
     pub const fn per_call_zeroed(what: &'static str) -> Self {
-        Self { buf: None, what, zero: true, keep: false, used_on: None }
+        Self { buf: None, what, zero: true, keep: false }
     }
 
     /// A large buffer written before it is read in every call, lent ones handed back when the
     /// call ends.
     pub const fn per_call(what: &'static str) -> Self {
-        Self { buf: None, what, zero: false, keep: false, used_on: None }
+        Self { buf: None, what, zero: false, keep: false }
     }
 
     /// A buffer of at least `len` elements for a call on `stream` (zeroed when new if
@@ -229,7 +229,6 @@ impl<T: DeviceRepr + ValidAsZeroBits> Grow<T> {
         }
         if let Some(WsBuf::Lent(b)) = self.buf.as_mut() {
             b.for_call(stream)?;
-            self.used_on = Some(stream.clone());
         }
         Ok(self.buf.as_mut().unwrap())
     }
@@ -242,18 +241,20 @@ impl<T: DeviceRepr + ValidAsZeroBits> Grow<T> {
         self.buf = None;
     }
 
-    /// The end of a call: a lent buffer records its last use, and is handed back unless kept.
+    /// The end of a call: a lent buffer this call used records its last use, and is handed back
+    /// unless kept.
     fn end_call(&mut self) {
-        let Some(stream) = self.used_on.take() else { return };
-        if let Some(WsBuf::Lent(b)) = self.buf.as_mut() {
-            if self.keep {
-                b.end_call(&stream);
-            } else {
-                // Used only in this call, on the stream it was allocated on: handed back
-                // stream-ordered, without waiting for the call's work (the host runs ahead).
-                b.last_use = LastUse::Done;
-                self.buf = None;
-            }
+        let Some(WsBuf::Lent(b)) = self.buf.as_mut() else { return };
+        if !matches!(b.last_use, LastUse::ThisCall) {
+            return; // not used in this call
+        }
+        if self.keep {
+            b.end_call();
+        } else {
+            // Used only in this call, on the stream it was allocated on: handed back
+            // stream-ordered, without waiting for the call's work (the host runs ahead).
+            b.last_use = LastUse::Done;
+            self.buf = None;
         }
     }
 }

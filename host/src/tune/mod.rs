@@ -233,7 +233,12 @@ impl Tuner {
     /// The config used without tuning: the table's best fixed config when it loads, else the
     /// family's `mma.sync` fallback.
     pub fn untuned(&self, family: Family) -> TileConfig {
-        self.table.as_ref().and_then(|(t, _)| t.fixed(family)).filter(|&c| self.loads(family, c)).unwrap_or_else(|| family.fallback())
+        self.table_fixed(family).unwrap_or_else(|| family.fallback())
+    }
+
+    /// The table's best fixed config of `family`, when there is a table and its kernel loads.
+    fn table_fixed(&self, family: Family) -> Option<TileConfig> {
+        self.table.as_ref().and_then(|(t, _)| t.fixed(family)).filter(|&c| self.loads(family, c))
     }
 
     /// The cached record of `key`, if any.
@@ -287,13 +292,14 @@ impl Tuner {
             return Ok(e.winner);
         }
         let start = std::time::Instant::now();
-        if let Some(entry) = self.table_pick(key).filter(|_| !self.table.as_ref().is_some_and(|(t, _)| t.fixed_only(family))) {
+        let fixed_only = self.mode == Mode::Table && self.table.as_ref().is_some_and(|(t, _)| t.fixed_only(family));
+        if let Some(entry) = self.table_pick(key).filter(|_| !fixed_only) {
             let winner = entry.winner;
             self.finish(key, entry, "table");
             return Ok(winner);
         }
-        if (sliced || self.table.as_ref().is_some_and(|(t, _)| t.fixed_only(family))) && self.mode == Mode::Table {
-            if let Some(fixed) = self.table.as_ref().and_then(|(t, _)| t.fixed(family)).filter(|&c| self.loads(family, c)) {
+        if self.mode == Mode::Table && (sliced || fixed_only) {
+            if let Some(fixed) = self.table_fixed(family) {
                 let entry = Entry { winner: fixed, candidates: vec![(fixed, Outcome::Fixed)], seconds: start.elapsed().as_secs_f64() };
                 self.finish(key, entry, "fixed");
                 return Ok(fixed);
