@@ -187,7 +187,6 @@ enum Op {
 
 /// The shared inputs of one shape.
 struct Data<'a> {
-    p: Problem,
     x: FwdInputs<'a, i64>,
     fo: FwdOptions,
     bo: BwdOptions,
@@ -238,7 +237,7 @@ impl<'a> Ops<'a> {
                     entropy: Some(&*ent_b),
                     grad_logprob: Some(d.gl),
                     grad_entropy: Some(d.ge),
-                    problem: d.p,
+                    problem: d.x.problem,
                 };
                 let r = head.backward(stream, &bx, &d.bo, GradOut::Bf16(dh), Some(GradOut::Bf16(dw)))?;
                 self.bwd_cfg = format!(
@@ -277,7 +276,6 @@ fn measure(heads: &[&LmHead], stream: &Arc<CudaStream>, c: &Case, args: &Args, s
         bo.chunk = Some(chunk);
     }
     let data = Data {
-        p,
         x: FwdInputs { h: &h, w: &w, labels: &lab, problem: p },
         fo: FwdOptions { config: choice, check_labels: args.check_labels, ..Default::default() },
         bo,

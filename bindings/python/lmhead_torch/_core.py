@@ -90,8 +90,7 @@ class _TorchScratch:
         self._lock = threading.Lock()
 
     def __call__(self, nbytes: int, stream: int) -> int:
-        cur = torch.cuda.current_stream(self.device)
-        if stream == cur.cuda_stream:
+        if stream == _raw_stream(self.device):
             t = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         else:
             s = torch.cuda.default_stream(self.device) if stream == 0 else torch.cuda.ExternalStream(stream, device=self.device)
