@@ -201,7 +201,7 @@ impl<T: DeviceRepr + ValidAsZeroBits> Grow<T> {
     }
 
     /// A buffer of at least `len` elements for a call on `stream` (zeroed when new if
-    /// [`Grow::zeroed`]; the library's own buffers are always zeroed when new).
+    /// [`Grow::per_call_zeroed`]; the library's own buffers are always zeroed when new).
     pub fn get(&mut self, src: &mut Source, stream: &Arc<CudaStream>, len: usize) -> Result<&mut WsBuf<T>> {
         let len = len.max(1);
         if self.buf.as_ref().is_none_or(|b| b.len() < len) {
@@ -215,7 +215,8 @@ impl<T: DeviceRepr + ValidAsZeroBits> Grow<T> {
                         return Err(Error::Invalid(format!("the scratch allocator returned address {ptr:#x} for {}", self.what)));
                     }
                     // SAFETY: the allocator's contract: `bytes` of device memory at `ptr`, usable
-                    // on `stream` until `free(ptr)`, which `Lent`'s drop calls after the last use.
+                    // on `stream` until `free(ptr)`, which `Lent`'s drop calls after the last use
+                    // (or, for a per-call buffer used only on `stream`, stream-ordered).
                     let view = unsafe { Borrowed::new(ptr, len, stream) };
                     let mut b = Lent { view, alloc: alloc.clone(), last_use: LastUse::ThisCall };
                     if self.zero {
