@@ -49,7 +49,8 @@ pub struct Table {
     pub device: String,
     /// How it was made (command and results files).
     pub source: String,
-    /// The `ptx_hash` (`crate::ptx::ptx_hash`, in the tune cache header) of the kernels it timed: other kernels use it as a prior only.
+    /// The `ptx_hash` (`crate::ptx::ptx_hash`, in the tune cache header) of the kernels it
+    /// timed: other kernels use it as a prior only.
     #[serde(default)]
     pub ptx_hash: String,
     /// Per family, the best fixed config (smallest geometric-mean slowdown over the table's keys).
