@@ -275,13 +275,20 @@ def _overhead(h, w, labels, reps: int, cuda: bool) -> Dict[str, float]:
         return time.perf_counter() - t0
 
     def paired(fn, args, call) -> Dict[str, float]:
-        """Rust call and binding call alternated, same workspace source (torch's allocator):
-        the median of the per-pair differences is the binding's own cost, free of the clock
-        drift that separates two blocks of calls on a GPU at its power limit."""
+        """Rust call and binding call alternated (each goes first in half the pairs), same
+        workspace source (torch's allocator): the median of the per-pair differences is the
+        binding's own cost, free of the clock drift that separates two blocks of calls on a GPU
+        at its power limit."""
         rust, bind, diff = [], [], []
         for i in range(pairs + 2):
-            a = rust_torch_once(fn, args)
-            b = binding_once(call)
+            # Alternate which call goes first: the second of two back-to-back calls can run on a
+            # hotter, slower-clocked GPU, and that must not count as the binding's cost.
+            if i % 2 == 0:
+                a = rust_torch_once(fn, args)
+                b = binding_once(call)
+            else:
+                b = binding_once(call)
+                a = rust_torch_once(fn, args)
             if i >= 2:
                 rust.append(a)
                 bind.append(b)
