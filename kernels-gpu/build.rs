@@ -19,21 +19,31 @@ fn main() {
             let (params, call) = match (family, c.mainloop) {
                 (Family::Fwd, MmaSync) => ("LogitsParams", format!("sm80::fwd::<{generics}, false>")),
                 (Family::FwdEnt, MmaSync) => ("LogitsParams", format!("sm80::fwd::<{generics}, true>")),
-                (Family::BwdDlogits, MmaSync) => ("LogitsParams", format!("sm80::dlogits::<{generics}, false>")),
-                (Family::BwdDlogitsEnt, MmaSync) => ("LogitsParams", format!("sm80::dlogits::<{generics}, true>")),
-                (Family::BwdDh, MmaSync) => ("GemmParams", format!("sm80::gemm::<{generics}, true>")),
-                (Family::BwdDw, MmaSync) => ("GemmParams", format!("sm80::gemm::<{generics}, false>")),
+                (Family::BwdDlogits, MmaSync) => {
+                    ("LogitsParams", format!("body::dlogits::<sm80::Sm80<{generics}, true, true>, {mi}, {ni}, false>"))
+                }
+                (Family::BwdDlogitsEnt, MmaSync) => {
+                    ("LogitsParams", format!("body::dlogits::<sm80::Sm80<{generics}, true, true>, {mi}, {ni}, true>"))
+                }
+                (Family::BwdDh, MmaSync) => ("GemmParams", format!("body::gemm::<sm80::Sm80<{generics}, true, false>, {mi}, {ni}>")),
+                (Family::BwdDw, MmaSync) => ("GemmParams", format!("body::gemm::<sm80::Sm80<{generics}, false, false>, {mi}, {ni}>")),
                 (Family::Fwd, Sm90 { store: Store::Registers }) => ("LogitsParams", format!("sm90::fwd_wg::<{wg}, false>")),
                 (Family::FwdEnt, Sm90 { store: Store::Registers }) => ("LogitsParams", format!("sm90::fwd_wg::<{wg}, true>")),
-                (Family::BwdDlogits, Sm90 { store }) => {
-                    ("LogitsParams", format!("sm90::dlogits_wg::<{wg}, false, {}>", store == Store::Tma))
+                (Family::BwdDlogits, Sm90 { store: Store::Registers }) => {
+                    ("LogitsParams", format!("body::dlogits::<sm90::Sm90<{wg}, false, false>, 1, 8, false>"))
                 }
-                (Family::BwdDlogitsEnt, Sm90 { store }) => {
-                    ("LogitsParams", format!("sm90::dlogits_wg::<{wg}, true, {}>", store == Store::Tma))
+                (Family::BwdDlogitsEnt, Sm90 { store: Store::Registers }) => {
+                    ("LogitsParams", format!("body::dlogits::<sm90::Sm90<{wg}, false, false>, 1, 8, true>"))
                 }
+                (Family::BwdDlogits, Sm90 { store: Store::Tma }) => ("LogitsParams", format!("sm90::dlogits_tma_store::<{wg}, false>")),
+                (Family::BwdDlogitsEnt, Sm90 { store: Store::Tma }) => ("LogitsParams", format!("sm90::dlogits_tma_store::<{wg}, true>")),
                 // dh: A (staging) K-major, B (`W` chunk) MN-major in place; dW: both in place.
-                (Family::BwdDh, Sm90 { store: Store::Registers }) => ("GemmParams", format!("sm90::gemm_wg::<{wg}, false, true>")),
-                (Family::BwdDw, Sm90 { store: Store::Registers }) => ("GemmParams", format!("sm90::gemm_wg::<{wg}, true, true>")),
+                (Family::BwdDh, Sm90 { store: Store::Registers }) => {
+                    ("GemmParams", format!("body::gemm::<sm90::Sm90<{wg}, false, true>, 1, 8>"))
+                }
+                (Family::BwdDw, Sm90 { store: Store::Registers }) => {
+                    ("GemmParams", format!("body::gemm::<sm90::Sm90<{wg}, true, true>, 1, 8>"))
+                }
                 (Family::Fwd | Family::FwdEnt | Family::BwdDh | Family::BwdDw, Sm90 { store: Store::Tma }) => {
                     panic!("{family:?} {c:?}: only the d-logits store their tile through TMA")
                 }

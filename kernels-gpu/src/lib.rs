@@ -36,6 +36,7 @@ macro_rules! unroll {
     };
 }
 
+pub mod body;
 pub mod epilogue;
 // The online log-sum-exp epilogue, `epilogue::lse`, is declared here under the path its
 // functions had before the restructuring (see `epilogue/mod.rs` for why).

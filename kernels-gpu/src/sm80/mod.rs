@@ -30,13 +30,12 @@
 
 pub mod mainloop;
 
-use crate::epilogue::dlogits::{row_coeffs, store_dlogits};
-use crate::epilogue::gemm::store_gemm;
+use crate::body::{self, Job, Operands, Tiles};
 use crate::epilogue::lse::{fold_tile, load_label, local_column, store_partials};
 use crate::epilogue::{Acc, WarpPos};
 use crate::intrinsics;
 use lmhead_core::lse::Lse2;
-use lmhead_core::params::{GemmParams, LogitsParams};
+use lmhead_core::params::LogitsParams;
 use mainloop::Operand;
 
 /// The forward mainloop kernel.
@@ -124,15 +123,11 @@ pub unsafe fn fwd<
     unsafe { store_partials::<BM, WN, MI, ENT>(p, &w, &mut st, &mut z_label, m0, split, ring, threads as u32) };
 }
 
-/// Backward d-logits of one vocab chunk.
-///
-/// # Safety
-/// Launched with `WM·WN·32` threads, grid `(ceil(t/BM), ceil(v_chunk/BN))`, ring bytes of
-/// dynamic shared memory; `p` describes valid buffers: `h`, `W`, labels, `lse`, the gradients
-/// that are non-null (and `entropy` when `ENT`), and `staging [t][staging_stride]` with
-/// `staging_stride ≥ v_chunk` rounded up to 8.
-#[inline(always)]
-pub unsafe fn dlogits<
+/// The `MmaSync` mainloop as a [`body::Mainloop`]: a `BM × BN` block tile of `WM × WN` warps,
+/// each holding `MI × NI` `m16n8` fragments, `ST` stages of `BK`; A K-major when `AK` (else
+/// M-major), B K-major when `BK_MAJ` (else N-major). One output tile per block of an
+/// `(m tiles, n tiles)` grid, yielded whole as one `Acc<MI, NI>`.
+pub struct Sm80<
     const BM: usize,
     const BN: usize,
     const BK: usize,
@@ -141,113 +136,84 @@ pub unsafe fn dlogits<
     const WN: usize,
     const MI: usize,
     const NI: usize,
-    const ENT: bool,
->(
-    p: &LogitsParams,
-) {
-    const {
-        assert!(MI * 16 * WM == BM && NI * 8 * WN == BN && NI % 2 == 0);
-    }
-    let w = WarpPos::new::<BM, BN, WM, WN>();
-    let m0 = intrinsics::block_idx_x() * BM as u32;
-    let n0 = intrinsics::block_idx_y() * BN as u32;
-    let chunk_end = p.v_chunk_begin + p.v_chunk;
-
-    // ---- Prologue: per-row coefficients ------------------------------------------------------
-    // SAFETY: buffers per the kernel contract.
-    let coeffs = unsafe { row_coeffs::<MI, ENT>(p, &w, m0) };
-
-    let a = Operand { ptr: p.h as *const u16, stride: p.h_row_stride, mn_bound: p.t, k_bound: p.d };
-    let b = Operand { ptr: p.w as *const u16, stride: p.w_row_stride, mn_bound: chunk_end, k_bound: p.d };
-    let ring = intrinsics::smem_base();
-    let threads = WM * WN * 32;
-    let a_bytes = (BM * BK * 2) as u32;
-    let stage_bytes = ((BM + BN) * BK * 2) as u32;
-    let kt = p.d.div_ceil(BK as u32);
-    let mut acc: Acc<MI, NI> = [[[0.0; 4]; NI]; MI];
-
-    let load = #[inline(always)]
-    |s: u32, _: u32, k: u32| {
-        let k0 = k * BK as u32;
-        // SAFETY: stage `s` holds both tiles; chunks are bounds-checked; every thread of the
-        // block runs this with its own tid.
-        unsafe {
-            mainloop::load_tile::<BM, BK, true>(s, a, m0, k0, w.tid, threads);
-            mainloop::load_tile::<BN, BK, true>(s + a_bytes, b, p.v_chunk_begin + n0, k0, w.tid, threads);
-        }
-    };
-    let compute = #[inline(always)]
-    |s: u32, acc: &mut Acc<MI, NI>| {
-        // SAFETY: the warp is converged; `s` holds a landed stage.
-        unsafe { mainloop::mma_stage::<BM, BN, BK, MI, NI, true, true>(s, s + a_bytes, acc, w.wm0, w.wn0, w.lane) };
-    };
-    let finish = #[inline(always)]
-    |_: u32, acc: &mut Acc<MI, NI>| {
-        // ---- Epilogue: d-logits, bf16, into the staging buffer -----------------------
-        // SAFETY: staging per the kernel contract.
-        unsafe { store_dlogits::<MI, NI, ENT>(p, &w, m0, n0, acc, &coeffs) };
-    };
-    // SAFETY: all threads call with the same trip counts; the ring is the dynamic shared memory.
-    unsafe { mainloop::pipeline::<ST, Acc<MI, NI>>(ring, stage_bytes, 1, kt, &mut acc, load, compute, finish) };
+    const AK: bool,
+    const BK_MAJ: bool,
+> {
+    w: WarpPos,
+    m0: u32,
+    n0: u32,
 }
 
-/// Backward GEMM `C[m, n] (+)= Σ_k A[m, k] · B[k, n]` with N-major B; `A_KMAJ` selects a
-/// K-major (`dh`) or M-major (`dW`) A.
-///
-/// # Safety
-/// Launched with `WM·WN·32` threads, grid `(ceil(m/BM), ceil(n/BN))`, ring bytes of dynamic
-/// shared memory; `p` describes valid buffers (A readable over whole 16-byte chunks up to its
-/// column bound rounded up to 8, `n % 8 == 0`, 8-byte aligned accumulator and output rows).
-#[inline(always)]
-pub unsafe fn gemm<
-    const BM: usize,
-    const BN: usize,
-    const BK: usize,
-    const ST: usize,
-    const WM: usize,
-    const WN: usize,
-    const MI: usize,
-    const NI: usize,
-    const A_KMAJ: bool,
->(
-    p: &GemmParams,
-) {
-    const {
-        assert!(MI * 16 * WM == BM && NI * 8 * WN == BN && NI % 2 == 0);
-    }
-    let w = WarpPos::new::<BM, BN, WM, WN>();
-    let m0 = intrinsics::block_idx_x() * BM as u32;
-    let n0 = intrinsics::block_idx_y() * BN as u32;
-    let a = Operand { ptr: p.a as *const u16, stride: p.a_stride, mn_bound: p.m, k_bound: p.k };
-    let b = Operand { ptr: p.b as *const u16, stride: p.b_stride, mn_bound: p.n, k_bound: p.k };
-    let ring = intrinsics::smem_base();
-    let threads = WM * WN * 32;
-    let a_bytes = (BM * BK * 2) as u32;
-    let stage_bytes = ((BM + BN) * BK * 2) as u32;
-    let kt = p.k.div_ceil(BK as u32);
-    let mut acc: Acc<MI, NI> = [[[0.0; 4]; NI]; MI];
+impl<
+        const BM: usize,
+        const BN: usize,
+        const BK: usize,
+        const ST: usize,
+        const WM: usize,
+        const WN: usize,
+        const MI: usize,
+        const NI: usize,
+        const AK: bool,
+        const BK_MAJ: bool,
+    > body::Mainloop<MI, NI> for Sm80<BM, BN, BK, ST, WM, WN, MI, NI, AK, BK_MAJ>
+{
+    const BN: usize = BN;
 
-    let load = #[inline(always)]
-    |s: u32, _: u32, k: u32| {
-        let k0 = k * BK as u32;
-        // SAFETY: stage `s` holds both tiles; chunks are bounds-checked; every thread of the
-        // block runs this with its own tid.
-        unsafe {
-            mainloop::load_tile::<BM, BK, A_KMAJ>(s, a, m0, k0, w.tid, threads);
-            mainloop::load_tile::<BN, BK, false>(s + a_bytes, b, n0, k0, w.tid, threads);
+    #[inline(always)]
+    fn new() -> Self {
+        const {
+            assert!(MI * 16 * WM == BM && NI * 8 * WN == BN && NI % 2 == 0);
         }
-    };
-    let compute = #[inline(always)]
-    |s: u32, acc: &mut Acc<MI, NI>| {
-        // SAFETY: the warp is converged; `s` holds a landed stage.
-        unsafe { mainloop::mma_stage::<BM, BN, BK, MI, NI, A_KMAJ, false>(s, s + a_bytes, acc, w.wm0, w.wn0, w.lane) };
-    };
-    let finish = #[inline(always)]
-    |_: u32, acc: &mut Acc<MI, NI>| {
-        // ---- Epilogue ----------------------------------------------------------------
-        // SAFETY: C buffers per the kernel contract.
-        unsafe { store_gemm::<MI, NI>(p, &w, m0, n0, acc) };
-    };
-    // SAFETY: all threads call with the same trip counts; the ring is the dynamic shared memory.
-    unsafe { mainloop::pipeline::<ST, Acc<MI, NI>>(ring, stage_bytes, 1, kt, &mut acc, load, compute, finish) };
+        Self { w: WarpPos::new::<BM, BN, WM, WN>(), m0: 0, n0: 0 }
+    }
+
+    #[inline(always)]
+    fn tiles(&mut self, _: &impl Job) -> Tiles {
+        self.m0 = intrinsics::block_idx_x() * BM as u32;
+        self.n0 = intrinsics::block_idx_y() * BN as u32;
+        Tiles { m0: self.m0, n0: self.n0, count: 1 }
+    }
+
+    #[inline(always)]
+    unsafe fn start(&mut self, _: &impl Job, _: Tiles) -> WarpPos {
+        self.w
+    }
+
+    type Acc = Acc<MI, NI>;
+
+    #[inline(always)]
+    fn zero() -> Acc<MI, NI> {
+        [[[0.0; 4]; NI]; MI]
+    }
+
+    #[inline(always)]
+    unsafe fn run(self, job: &impl Job, acc: &mut Acc<MI, NI>, mut each: impl FnMut(u32, &mut Acc<MI, NI>)) {
+        let Self { w, m0, n0 } = self;
+        let Operands { a, b, b_row0 } = job.operands();
+        let ring = intrinsics::smem_base();
+        let threads = WM * WN * 32;
+        let a_bytes = (BM * BK * 2) as u32;
+        let stage_bytes = ((BM + BN) * BK * 2) as u32;
+        let kt = job.k().div_ceil(BK as u32);
+
+        let load = #[inline(always)]
+        |s: u32, _: u32, k: u32| {
+            let k0 = k * BK as u32;
+            // SAFETY: stage `s` holds both tiles; chunks are bounds-checked; every thread of the
+            // block runs this with its own tid.
+            unsafe {
+                mainloop::load_tile::<BM, BK, AK>(s, a, m0, k0, w.tid, threads);
+                mainloop::load_tile::<BN, BK, BK_MAJ>(s + a_bytes, b, b_row0 + n0, k0, w.tid, threads);
+            }
+        };
+        let compute = #[inline(always)]
+        |s: u32, acc: &mut Acc<MI, NI>| {
+            // SAFETY: the warp is converged; `s` holds a landed stage.
+            unsafe { mainloop::mma_stage::<BM, BN, BK, MI, NI, AK, BK_MAJ>(s, s + a_bytes, acc, w.wm0, w.wn0, w.lane) };
+        };
+        let finish = #[inline(always)]
+        |_: u32, acc: &mut Acc<MI, NI>| each(n0, acc);
+        // SAFETY: all threads call with the same trip counts; the ring is the dynamic shared memory.
+        unsafe { mainloop::pipeline::<ST, Acc<MI, NI>>(ring, stage_bytes, 1, kt, acc, load, compute, finish) };
+    }
 }

@@ -29,14 +29,14 @@ mod pipeline;
 mod store;
 mod wgmma;
 
-use crate::epilogue::dlogits::{dlogits_pair, row_coeffs, store_dlogits};
-use crate::epilogue::gemm::store_gemm;
+use crate::body::{self, Job, Tiles};
+use crate::epilogue::dlogits::{dlogits_pair, row_coeffs};
 use crate::epilogue::lse::{fold_tile, load_label, local_column, store_partials};
 use crate::epilogue::{Acc, WarpPos};
 use crate::intrinsics;
 use lmhead_core::config::TMA_STORE_BYTES;
 use lmhead_core::lse::Lse2;
-use lmhead_core::params::{GemmParams, LogitsParams};
+use lmhead_core::params::LogitsParams;
 use pipeline::{tma_pipeline, tma_split, TmaRing, BK};
 pub(crate) use store::StoreBoxes;
 use store::BOX_BYTES;
@@ -138,26 +138,82 @@ fn block_tiles<const BM: usize, const BN: usize>(group: u32, per: u32, n_total: 
     (mt * BM as u32, first * BN as u32, count)
 }
 
-/// Backward d-logits of one vocab chunk on the Hopper mainloop. Same contract as
-/// `sm80::dlogits`. `TS`: the tile is stored through [`StoreBoxes`] by the tensor
-/// memory accelerator, with a third tensor map over the staging buffer.
+/// The Hopper mainloop as a [`body::Mainloop`]: `WGM` consumer warpgroups and a producer
+/// warpgroup ([`tma_split`]), a `BM × BN` block tile with `BM = 64·WGM`, `BN = 128·NW`, `ST`
+/// stages; A MN-major when `AMN`, B when `BMN` (else K-major). A block walks `count` consecutive
+/// tiles ([`block_tiles`]); each finished tile is yielded as `Acc<1, 8>` views, one per 64-column
+/// half of each 128-column block ([`half`]).
+pub struct Sm90<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const AMN: bool, const BMN: bool> {
+    tid: u32,
+    n0_first: u32,
+    n_tiles: u32,
+    kt: u32,
+}
+
+impl<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const AMN: bool, const BMN: bool>
+    body::Mainloop<1, 8> for Sm90<BM, BN, ST, WGM, NW, AMN, BMN>
+{
+    const BN: usize = BN;
+
+    #[inline(always)]
+    fn new() -> Self {
+        Self { tid: intrinsics::thread_idx(), n0_first: 0, n_tiles: 0, kt: 0 }
+    }
+
+    #[inline(always)]
+    fn tiles(&mut self, job: &impl Job) -> Tiles {
+        let g = job.grid::<BN>();
+        let (m0, n0, count) = block_tiles::<BM, BN>(g.group, g.per, g.n_total);
+        Tiles { m0, n0, count }
+    }
+
+    #[inline(always)]
+    unsafe fn start(&mut self, job: &impl Job, t: Tiles) -> WarpPos {
+        let kt = job.k().div_ceil(BK as u32);
+        // SAFETY: first call, by every thread; the caller provides the maps.
+        unsafe { tma_split::<BM, BN, ST, WGM, AMN, BMN>(self.tid, job.tmaps(), t.m0, job.b_row0() + t.n0, t.count, kt) };
+        (self.n0_first, self.n_tiles, self.kt) = (t.n0, t.count, kt);
+        warp_pos(self.tid)
+    }
+
+    type Acc = WgAcc<NW>;
+
+    #[inline(always)]
+    fn zero() -> WgAcc<NW> {
+        [[[[0.0; 4]; 8]; 2]; NW]
+    }
+
+    #[inline(always)]
+    unsafe fn run(self, _: &impl Job, acc: &mut WgAcc<NW>, mut each: impl FnMut(u32, &mut Acc<1, 8>)) {
+        let Self { tid, n0_first, n_tiles, kt } = self;
+        let finish = #[inline(always)]
+        |tile: u32, acc: &mut WgAcc<NW>| {
+            let n0 = n0_first + tile * BN as u32;
+            unroll!(NW, |nb| {
+                unroll!(2, |h| {
+                    each(n0 + (nb * 128 + h * 64) as u32, half(acc, nb, h));
+                });
+            });
+        };
+        // SAFETY: every consumer thread calls with the same arguments; smem and operands per
+        // `start`'s contract.
+        unsafe { tma_pipeline::<BM, BN, ST, WGM, NW, AMN, BMN>(tid, n_tiles, kt, acc, finish) };
+    }
+}
+
+/// Backward d-logits of one vocab chunk on the Hopper mainloop with the tile stored through
+/// [`StoreBoxes`] by the tensor memory accelerator, with a third tensor map over the staging
+/// buffer (`Store::Tma`; the register store is the generic `body::dlogits` on [`Sm90`]). Same
+/// contract as `body::dlogits`.
 ///
 /// # Safety
 /// Launched with `(WGM + 1)·128` threads, grid
 /// `(ceil(t/BM), ceil(ceil(staging_stride/BN) / max(1, p.tiles_per_split)))`, the ring's
-/// dynamic shared memory (with the mbarriers and `p.tmaps`; for `TS` 1024 bytes after the
-/// ring, then `TMA_STORE_BYTES`, and a third map in `p.tmaps`: the staging buffer
-/// `[t][staging_stride]`, 64 × 64 boxes, 128-byte swizzle); buffers as for `sm80::dlogits`.
+/// dynamic shared memory (with the mbarriers and `p.tmaps`), 1024 bytes after the ring, then
+/// `TMA_STORE_BYTES`, and a third map in `p.tmaps`: the staging buffer
+/// `[t][staging_stride]`, 64 × 64 boxes, 128-byte swizzle; buffers as for `body::dlogits`.
 #[inline(always)]
-pub unsafe fn dlogits_wg<
-    const BM: usize,
-    const BN: usize,
-    const ST: usize,
-    const WGM: usize,
-    const NW: usize,
-    const ENT: bool,
-    const TS: bool,
->(
+pub unsafe fn dlogits_tma_store<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const ENT: bool>(
     p: &LogitsParams,
 ) {
     let tid = intrinsics::thread_idx();
@@ -170,94 +226,34 @@ pub unsafe fn dlogits_wg<
     // SAFETY: buffers per the kernel contract.
     let coeffs = unsafe { row_coeffs::<1, ENT>(p, &w, m0) };
     let mut acc: WgAcc<NW> = [[[[0.0; 4]; 8]; 2]; NW];
-    if TS {
-        // The host's `TileConfig::smem_bytes` reserves exactly these boxes for the block.
-        const { assert!(!TS || WGM as u32 * 2 * BOX_BYTES == TMA_STORE_BYTES as u32) };
-        let boxes = TmaRing::new::<BM, BN, ST>().store_boxes();
-        let mut out = StoreBoxes::new(boxes, (p.tmaps as *const u8).wrapping_add(256), tid);
-        let row = m0 + 64 * (tid >> 7);
-        let lane = tid & 31;
-        let finish = #[inline(always)]
-        |tile: u32, acc: &mut WgAcc<NW>| {
-            let n0 = n0_first + tile * BN as u32;
-            unroll!(NW, |nb| {
-                unroll!(2, |h| {
-                    let c0 = n0 + (nb * 128 + h * 64) as u32;
-                    let mut v = [[0u32; 2]; 8];
-                    unroll!(8, |j| {
-                        unroll!(2, |hh| {
-                            let x = acc[nb][h][j];
-                            v[j][hh] =
-                                dlogits_pair::<1, ENT>(p, &coeffs, 0, hh, c0 + (8 * j) as u32 + 2 * (lane & 3), [x[2 * hh], x[2 * hh + 1]]);
-                        });
-                    });
-                    // SAFETY: every consumer thread of the warpgroup runs each finish; the
-                    // boxes follow the ring per the kernel contract; the staging map is the
-                    // third one; this block alone writes these rows and columns of the chunk.
-                    unsafe { out.store(&v, c0, row) };
-                });
-            });
-        };
-        // SAFETY: every thread calls with the same arguments; smem and operands per the
-        // contract.
-        unsafe { tma_pipeline::<BM, BN, ST, WGM, NW, false, false>(tid, n_tiles, kt, &mut acc, finish) };
-        out.drain();
-        return;
-    }
+    // The host's `TileConfig::smem_bytes` reserves exactly these boxes for the block.
+    const { assert!(WGM as u32 * 2 * BOX_BYTES == TMA_STORE_BYTES as u32) };
+    let boxes = TmaRing::new::<BM, BN, ST>().store_boxes();
+    let mut out = StoreBoxes::new(boxes, (p.tmaps as *const u8).wrapping_add(256), tid);
+    let row = m0 + 64 * (tid >> 7);
+    let lane = tid & 31;
     let finish = #[inline(always)]
     |tile: u32, acc: &mut WgAcc<NW>| {
         let n0 = n0_first + tile * BN as u32;
         unroll!(NW, |nb| {
             unroll!(2, |h| {
-                // SAFETY: staging per the kernel contract.
-                unsafe { store_dlogits::<1, 8, ENT>(p, &w, m0, n0 + (nb * 128 + h * 64) as u32, half(acc, nb, h), &coeffs) };
+                let c0 = n0 + (nb * 128 + h * 64) as u32;
+                let mut v = [[0u32; 2]; 8];
+                unroll!(8, |j| {
+                    unroll!(2, |hh| {
+                        let x = acc[nb][h][j];
+                        v[j][hh] =
+                            dlogits_pair::<1, ENT>(p, &coeffs, 0, hh, c0 + (8 * j) as u32 + 2 * (lane & 3), [x[2 * hh], x[2 * hh + 1]]);
+                    });
+                });
+                // SAFETY: every consumer thread of the warpgroup runs each finish; the
+                // boxes follow the ring per the kernel contract; the staging map is the
+                // third one; this block alone writes these rows and columns of the chunk.
+                unsafe { out.store(&v, c0, row) };
             });
         });
     };
     // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
     unsafe { tma_pipeline::<BM, BN, ST, WGM, NW, false, false>(tid, n_tiles, kt, &mut acc, finish) };
-}
-
-/// Backward GEMM `C[m, n] (+)= Σ_k A[m, k] · B[k, n]` on the sm90 mainloop, operands read as
-/// stored: `dh`'s A is the staging buffer `[m][k]` (K-major) and B the `W` chunk `[k][n]`
-/// (`BMN`); `dW`'s A is the staging buffer read as `[k][m]` (`AMN`) and B is `h` `[k][n]`
-/// (`BMN`). `wgmma` reads MN-major tiles with its transpose bits; the layouts and bounds are in
-/// `p.tmaps` (`p.a`, `p.b` unused).
-///
-/// # Safety
-/// Launched with `(WGM + 1)·128` threads, grid
-/// `(ceil(m/BM), ceil(ceil(n/BN) / max(1, p.tiles_per_block)))`, the ring's dynamic shared
-/// memory with the mbarriers, and `p.tmaps`, whose maps have the layouts `AMN` and `BMN` name;
-/// C buffers as for `sm80::gemm`.
-#[inline(always)]
-pub unsafe fn gemm_wg<
-    const BM: usize,
-    const BN: usize,
-    const ST: usize,
-    const WGM: usize,
-    const NW: usize,
-    const AMN: bool,
-    const BMN: bool,
->(
-    p: &GemmParams,
-) {
-    let tid = intrinsics::thread_idx();
-    let (m0, n0_first, n_tiles) = block_tiles::<BM, BN>(p.raster_group, p.tiles_per_block, p.n.div_ceil(BN as u32));
-    let kt = p.k.div_ceil(BK as u32);
-    // SAFETY: first call, by every thread; the kernel contract provides the maps.
-    unsafe { tma_split::<BM, BN, ST, WGM, AMN, BMN>(tid, p.tmaps, m0, n0_first, n_tiles, kt) };
-    let w = warp_pos(tid);
-    let mut acc: WgAcc<NW> = [[[[0.0; 4]; 8]; 2]; NW];
-    let finish = #[inline(always)]
-    |tile: u32, acc: &mut WgAcc<NW>| {
-        let n0 = n0_first + tile * BN as u32;
-        unroll!(NW, |nb| {
-            unroll!(2, |h| {
-                // SAFETY: C buffers per the kernel contract.
-                unsafe { store_gemm::<1, 8>(p, &w, m0, n0 + (nb * 128 + h * 64) as u32, half(acc, nb, h)) };
-            });
-        });
-    };
-    // SAFETY: every thread calls with the same arguments; smem and operands per the contract.
-    unsafe { tma_pipeline::<BM, BN, ST, WGM, NW, AMN, BMN>(tid, n_tiles, kt, &mut acc, finish) };
+    out.drain();
 }
