@@ -53,8 +53,6 @@ pub trait Job {
     fn operands(&self) -> Operands;
     /// The K extent.
     fn k(&self) -> u32;
-    /// The first row of B (added to the output column for the loads).
-    fn b_row0(&self) -> u32;
     /// The device pointer to the operands' tensor maps (A, then B, 128 bytes each).
     fn tmaps(&self) -> u64;
 }
@@ -132,11 +130,6 @@ impl Job for DlogitsJob<'_> {
     }
 
     #[inline(always)]
-    fn b_row0(&self) -> u32 {
-        self.p.v_chunk_begin
-    }
-
-    #[inline(always)]
     fn tmaps(&self) -> u64 {
         self.p.tmaps
     }
@@ -170,11 +163,6 @@ impl Job for GemmJob<'_> {
     }
 
     #[inline(always)]
-    fn b_row0(&self) -> u32 {
-        0
-    }
-
-    #[inline(always)]
     fn tmaps(&self) -> u64 {
         self.p.tmaps
     }
@@ -192,6 +180,8 @@ impl Job for GemmJob<'_> {
 #[inline(always)]
 pub unsafe fn dlogits<M: Mainloop<MI, NI>, const MI: usize, const NI: usize, const ENT: bool>(p: &LogitsParams) {
     let mut ml = M::new();
+    // (`tiles` reads only the grid; building the job with its chunk bound after it keeps the
+    // emitted PTX as it was measured: building it first reorders instructions.)
     let t = ml.tiles(&DlogitsJob { p, chunk_end: 0 });
     let job = DlogitsJob { p, chunk_end: p.v_chunk_begin + p.v_chunk };
     // SAFETY: every thread, right after `tiles`; launch and operands per the kernel contract.
