@@ -84,8 +84,8 @@ fn split_err(x: &[f64], r: &[f64], lse: &[f64]) -> (f64, f64) {
     (normal, ext)
 }
 
-/// Run one case; returns a summary line for the record.
-fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &FwdCase, seed: u64) -> String {
+/// Run one case; returns a summary line for the record and the launch's vocab split count.
+fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &FwdCase, seed: u64) -> (String, u32) {
     let case = Case::generate(seed, c.t, c.v, c.d, &c.s);
     let desc = format!(
         "t={} v={} d={} ent={} i64={} choice={:?} naive={} seed={seed} {:?}",
@@ -145,7 +145,7 @@ fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &FwdCase, seed: u64) -> Strin
     }
     let (lp_n, lp_x) = split_err(&pick(&glp), &rlp, &rlse);
     let (lse_n, lse_x) = split_err(&pick(&glse), &rlse, &rlse);
-    format!(
+    let line = format!(
         "fwd t={:<5} v={:<6} d={:<5} ent={} cfg={:?} splits={} rows={} max_abs(normal rows) lp={:.1e} lse={:.1e} ent={} | max_rel(±1e4 rows) lp={:.1e} lse={:.1e}",
         c.t,
         c.v,
@@ -159,14 +159,15 @@ fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &FwdCase, seed: u64) -> Strin
         cent.map(|x| format!("{:.1e}", x.0)).unwrap_or_else(|| "-".into()),
         lp_x,
         lse_x
-    )
+    );
+    (line, report.n_splits)
 }
 
 fn run_all(test: &str, cases: &[FwdCase]) {
     let Some((head, stream)) = gpu_or_skip(test) else { return };
     let seed = run_seed(test);
     for (i, c) in cases.iter().enumerate() {
-        let line = run(&head, &stream, c, case_seed(seed, i));
+        let (line, _) = run(&head, &stream, c, case_seed(seed, i));
         println!("[{test}] {line}");
     }
 }
@@ -255,6 +256,29 @@ fn tile_boundaries_every_config() {
         }
     }
     run_all("gpu_fwd::tile_boundaries_every_config", &cases);
+}
+
+/// Every sm90 candidate with many vocab tiles per block (one token tile per SM, so the plan takes
+/// one split: asserted), an odd and an even tile count (the two-accumulator loop of the
+/// 128-column forward leaves from either accumulator), a masked and an unmasked last tile, and
+/// `d` at 3 and 5 K steps (at most 3 take the plain pipeline).
+#[test]
+fn sm90_tile_loop() {
+    let Some((head, stream)) = gpu_or_skip("gpu_fwd::sm90_tile_loop") else { return };
+    let seed = run_seed("gpu_fwd::sm90_tile_loop");
+    let mut i = 0;
+    for &cfg in Family::Fwd.candidates().iter().filter(|c| c.is_sm90()) {
+        let (bm, bn, bk) = (cfg.bm as usize, cfg.bn as usize, cfg.bk as usize);
+        for (v, d) in [(4 * bn + 3, 4 * bk + 8), (6 * bn, 4 * bk + 8), (5 * bn, 3 * bk), (7 * bn + 1, 3 * bk)] {
+            let mut c = FwdCase::new(132 * bm - 5, v, d);
+            c.choice = Choice::Fixed(cfg);
+            c.entropy = i % 2 == 0;
+            let (line, n_splits) = run(&head, &stream, &c, case_seed(seed, i));
+            println!("[gpu_fwd::sm90_tile_loop] {line}");
+            assert_eq!(n_splits, 1, "the plan split the vocab: the tile loop is not exercised [{line}]");
+            i += 1;
+        }
+    }
 }
 
 /// Many waves of blocks: `t = 2.5 · 132 · bm + 7` with the fallback config.

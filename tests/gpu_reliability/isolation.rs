@@ -10,8 +10,15 @@ use super::*;
 fn sanitizer_every_kernel_at_tail_shapes() {
     let Some((head, stream)) = gpu_or_skip("gpu_reliability::sanitizer") else { return };
     for fam in [Family::Fwd, Family::FwdEnt] {
-        for &c in fam.candidates() {
-            let (t, v, d) = (c.bm as usize + 1, 2 * c.bn as usize + 3, c.bk as usize + 8);
+        // Each candidate at tail shapes; each sm90 one also with one token tile per SM (one
+        // vocab split: several tiles per block) and 5 K steps (the 128-column forward's
+        // two-accumulator loop).
+        let shapes = |c: lmhead::TileConfig| {
+            let (bm, bn, bk) = (c.bm as usize, c.bn as usize, c.bk as usize);
+            let tail = (bm + 1, 2 * bn + 3, bk + 8);
+            [Some(tail), c.is_sm90().then_some((132 * bm - 5, 4 * bn + 3, 4 * bk + 8))]
+        };
+        for (c, (t, v, d)) in fam.candidates().iter().flat_map(|&c| shapes(c).into_iter().flatten().map(move |s| (c, s))) {
             let s = setup(&stream, t, v, d, 1);
             let o = FwdOptions { config: Choice::Fixed(c), ..Default::default() };
             let mut lp: CudaSlice<f32> = stream.alloc_zeros(t).unwrap();
