@@ -259,18 +259,18 @@ fn tile_boundaries_every_config() {
 }
 
 /// Every sm90 candidate with many vocab tiles per block (one token tile per SM, so the plan takes
-/// one split: asserted), an odd and an even tile count (the two-accumulator loop of the
-/// 128-column forward leaves from either accumulator), a masked and an unmasked last tile, and
-/// `d` at 3 and 5 K steps (at most 3 take the plain pipeline).
+/// one split: asserted), odd and even tile counts, masked and unmasked last tiles, and `d` at 3
+/// and 5 K steps.
 #[test]
 fn sm90_tile_loop() {
     let Some((head, stream)) = gpu_or_skip("gpu_fwd::sm90_tile_loop") else { return };
     let seed = run_seed("gpu_fwd::sm90_tile_loop");
+    let sms = head.gpu().info().sm_count as usize;
     let mut i = 0;
     for &cfg in Family::Fwd.candidates().iter().filter(|c| c.is_sm90()) {
         let (bm, bn, bk) = (cfg.bm as usize, cfg.bn as usize, cfg.bk as usize);
         for (v, d) in [(4 * bn + 3, 4 * bk + 8), (6 * bn, 4 * bk + 8), (5 * bn, 3 * bk), (7 * bn + 1, 3 * bk)] {
-            let mut c = FwdCase::new(132 * bm - 5, v, d);
+            let mut c = FwdCase::new(sms * bm - 5, v, d);
             c.choice = Choice::Fixed(cfg);
             c.entropy = i % 2 == 0;
             let (line, n_splits) = run(&head, &stream, &c, case_seed(seed, i));

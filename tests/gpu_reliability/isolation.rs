@@ -11,12 +11,12 @@ fn sanitizer_every_kernel_at_tail_shapes() {
     let Some((head, stream)) = gpu_or_skip("gpu_reliability::sanitizer") else { return };
     for fam in [Family::Fwd, Family::FwdEnt] {
         // Each candidate at tail shapes; each sm90 one also with one token tile per SM (one
-        // vocab split: several tiles per block) and 5 K steps (the 128-column forward's
-        // two-accumulator loop).
+        // vocab split: several tiles per block) and 5 K steps.
+        let sms = head.gpu().info().sm_count as usize;
         let shapes = |c: lmhead::TileConfig| {
             let (bm, bn, bk) = (c.bm as usize, c.bn as usize, c.bk as usize);
             let tail = (bm + 1, 2 * bn + 3, bk + 8);
-            [Some(tail), c.is_sm90().then_some((132 * bm - 5, 4 * bn + 3, 4 * bk + 8))]
+            [Some(tail), c.is_sm90().then_some((sms * bm - 5, 4 * bn + 3, 4 * bk + 8))]
         };
         for (c, (t, v, d)) in fam.candidates().iter().flat_map(|&c| shapes(c).into_iter().flatten().map(move |s| (c, s))) {
             let s = setup(&stream, t, v, d, 1);
