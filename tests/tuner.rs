@@ -246,6 +246,7 @@ mod table_mode {
             device: "NVIDIA H200".into(),
             source: "test".into(),
             ptx_hash: String::new(),
+            family_hashes: Default::default(),
             fixed,
             fixed_only: Vec::new(),
             entries: vec![TableEntry { family: Family::Fwd, bucket: 4096, d: 4096, v: 32000, ranking: vec![(s[1], 1.0), (s[0], 1.02)] }],
@@ -277,6 +278,21 @@ mod table_mode {
         let mut calls = BTreeMap::new();
         t.pick(&key(3000), Choice::Auto, &mut counting(&mut calls)).unwrap();
         assert!(!calls.is_empty());
+    }
+
+    /// A table whose PTX differs as a whole but whose Fwd kernels are the ones it timed
+    /// (`Fit::Families`): exact for Fwd, a prior for any other family.
+    #[test]
+    fn a_family_whose_kernels_are_unchanged_keeps_the_table_exact() {
+        let fwd_only = Fit::Families(1 << Family::ALL.iter().position(|&f| f == Family::Fwd).unwrap());
+        let t = tuner(true, fwd_only, Mode::Table);
+        let w = t.pick(&key(3000), Choice::Auto, &mut |_| panic!("an exact family must not time anything")).unwrap();
+        assert_eq!(w, sm90()[1]);
+        let other = Fit::Families(1 << Family::ALL.iter().position(|&f| f == Family::BwdDh).unwrap());
+        let t = tuner(true, other, Mode::Table);
+        let mut calls = BTreeMap::new();
+        t.pick(&key(3000), Choice::Auto, &mut counting(&mut calls)).unwrap();
+        assert!(!calls.is_empty(), "Fwd's kernels changed: its shortlist is timed");
     }
 
     #[test]

@@ -18,6 +18,54 @@ pub fn ptx_hash() -> String {
     d.iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
 
+/// A hash of one family's compiled candidates (`sha256` over each candidate's name and entry
+/// module, labels numbered by function made neutral; first 16 hex digits), so that a tuning
+/// table can tell which families' kernels are the ones it timed when the PTX as a whole has
+/// changed (`tune::table`).
+pub fn family_hash(family: lmhead_core::Family) -> String {
+    family_hash_of(entry_modules(), family)
+}
+
+/// [`family_hash`] over the entry modules of any PTX ([`split`]); a missing entry hashes as
+/// empty.
+pub fn family_hash_of(mods: &HashMap<String, String>, family: lmhead_core::Family) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for &c in family.candidates() {
+        let name = lmhead_core::config::kernel_name(family, c);
+        h.update(name.as_bytes());
+        h.update([0]);
+        h.update(neutral_labels(mods.get(&name).map_or("", |m| m.as_str())).as_bytes());
+        h.update([0]);
+    }
+    h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
+/// `text` with the function numbers in llc's labels (`$L__BB60_7` → `$L__BB_7`, `$L_brx_3` →
+/// `$L_brx_`) dropped: they count the functions of the module, so they change when another
+/// entry is added or removed.
+fn neutral_labels(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find("$L_") {
+        out.push_str(&rest[..i]);
+        rest = &rest[i..];
+        let prefix = ["$L__BB", "$L_brx_"].into_iter().find(|p| rest.starts_with(p));
+        match prefix {
+            Some(p) => {
+                out.push_str(p);
+                rest = rest[p.len()..].trim_start_matches(|c: char| c.is_ascii_digit());
+            }
+            None => {
+                out.push_str("$L_");
+                rest = &rest[3..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
 /// Per-entry PTX modules: the header and module-level declarations, then one entry.
 pub fn entry_modules() -> &'static HashMap<String, String> {
     static MODS: OnceLock<HashMap<String, String>> = OnceLock::new();
@@ -95,6 +143,26 @@ mod tests {
         }
         for name in lmhead_core::config::fixed::ALL {
             assert!(mods.contains_key(name), "{name}");
+        }
+    }
+
+    #[test]
+    fn family_hashes_ignore_function_numbers_only() {
+        assert_eq!(neutral_labels("bra $L__BB60_7; $L_brx_26: x $L_other"), "bra $L__BB_7; $L_brx_: x $L_other");
+        let mods = entry_modules();
+        let hashes: Vec<String> = lmhead_core::Family::ALL.iter().map(|&f| family_hash(f)).collect();
+        for (i, &f) in lmhead_core::Family::ALL.iter().enumerate() {
+            assert_eq!(hashes[i].len(), 16);
+            // Renumbering the functions keeps the hash; changing one instruction changes it.
+            let name = lmhead_core::config::kernel_name(f, f.candidates()[0]);
+            let mut renumbered = mods.clone();
+            let m = renumbered.get_mut(&name).unwrap();
+            *m = m.replace("$L__BB", "$L__BB9");
+            assert_eq!(family_hash_of(&renumbered, f), hashes[i], "{f:?}");
+            let mut edited = mods.clone();
+            let m = edited.get_mut(&name).unwrap();
+            *m = m.replacen("ret;", "ret; ret;", 1);
+            assert_ne!(family_hash_of(&edited, f), hashes[i], "{f:?}");
         }
     }
 

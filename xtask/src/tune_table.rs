@@ -32,8 +32,8 @@ struct Rec {
 type Shape = (u32, u32, u32, String);
 
 /// What the records hold: the GPU's name, every key's latest record, the complete shapes, the
-/// PTX hashes of the kernels they timed.
-type Records = (String, BTreeMap<Key, Rec>, Vec<Shape>, Vec<String>);
+/// PTX hashes of the kernels they timed, and their distinct per-family hashes.
+type Records = (String, BTreeMap<Key, Rec>, Vec<Shape>, Vec<String>, Vec<Value>);
 
 fn family(v: &Value) -> Option<Family> {
     serde_json::from_value(v.clone()).ok()
@@ -44,6 +44,7 @@ fn read(files: &[String]) -> Result<Records, String> {
     let mut shapes = Vec::new();
     let mut gpu = String::new();
     let mut hashes: Vec<String> = Vec::new();
+    let mut family_hashes: Vec<Value> = Vec::new();
     for f in files {
         let text = std::fs::read_to_string(f).map_err(|e| format!("{f}: {e}"))?;
         for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
@@ -55,6 +56,11 @@ fn read(files: &[String]) -> Result<Records, String> {
             if let Some(h) = r["ptx_hash"].as_str() {
                 if !hashes.iter().any(|x| x == h) {
                     hashes.push(h.to_string());
+                }
+            }
+            if let Some(fh) = r.get("family_hashes") {
+                if !family_hashes.contains(fh) {
+                    family_hashes.push(fh.clone());
                 }
             }
             let s = &r["shape"];
@@ -93,7 +99,7 @@ fn read(files: &[String]) -> Result<Records, String> {
             keys.insert(key, Rec { ts, ms });
         }
     }
-    Ok((gpu, keys, shapes, hashes))
+    Ok((gpu, keys, shapes, hashes, family_hashes))
 }
 
 fn best_fixed(keys: &BTreeMap<Key, Rec>, fam: Family) -> Option<(TileConfig, f64)> {
@@ -143,7 +149,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
             "usage: cargo xtask tune-table <tune-table.jsonl>... [--out host/tuned/<device>.json] [--report FILE.md] [--ptx-hash H] [--fixed-only FAMILY,...]".into(),
         );
     }
-    let (gpu, keys, shapes, hashes) = read(&files)?;
+    let (gpu, keys, shapes, hashes, family_hashes) = read(&files)?;
     if keys.is_empty() {
         return Err("no tune-table records in those files".into());
     }
@@ -260,6 +266,13 @@ pub fn run(args: &[String]) -> Result<(), String> {
         if !fixed_only.is_empty() {
             table["fixed_only"] = serde_json::to_value(&fixed_only).map_err(|e| e.to_string())?;
         }
+        // Per-family hashes (records written since the field exists): they let a later build
+        // whose PTX changed elsewhere keep this table exact for the unchanged families.
+        match family_hashes.as_slice() {
+            [] => {}
+            [fh] => table["family_hashes"] = fh.clone(),
+            _ => return Err("records of different kernels cannot make one table: their family hashes differ".into()),
+        }
         let mut text = serde_json::to_string(&table).map_err(|e| e.to_string())?;
         // One entry per line: reviewable diffs.
         text = text.replace("},{\"family\"", "},\n{\"family\"");
@@ -301,8 +314,9 @@ mod tests {
             rec("Fwd", 8192, &[(a, 1.00), (b, 9.00)], 0),
         ];
         std::fs::write(&f, lines.join("\n")).unwrap();
-        let (gpu, keys, _, _) = read(&[f.to_string_lossy().into()]).unwrap();
+        let (gpu, keys, _, _, family_hashes) = read(&[f.to_string_lossy().into()]).unwrap();
         assert_eq!(gpu, "G");
+        assert!(family_hashes.is_empty());
         assert_eq!(keys.len(), 3);
         let k8 = &keys[&(Family::Fwd, 8192, 64, 1000)];
         assert_eq!(k8.ms[0].0, Family::Fwd.candidates()[b]);
@@ -316,6 +330,34 @@ mod tests {
         let t: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
         assert_eq!(t["entries"].as_array().unwrap().len(), 3);
         assert_eq!(t["fixed"]["Fwd"], serde_json::to_value(Family::Fwd.candidates()[b]).unwrap());
+        assert!(t.get("family_hashes").is_none(), "records without family hashes: none in the table");
+        // Records with family hashes pass them on; records of two kernel builds are refused.
+        let with = |h: &str| {
+            lines
+                .iter()
+                .map(|l| {
+                    let mut v: Value = serde_json::from_str(l).unwrap();
+                    v["family_hashes"] = serde_json::json!({ "Fwd": h });
+                    v.to_string()
+                })
+                .collect::<Vec<_>>()
+        };
+        std::fs::write(&f, with("aaaa").join("\n")).unwrap();
+        run(&[f.to_string_lossy().into(), "--out".into(), out.to_string_lossy().into(), "--ptx-hash".into(), "0123456789abcdef".into()])
+            .unwrap();
+        let t: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        assert_eq!(t["family_hashes"], serde_json::json!({ "Fwd": "aaaa" }));
+        let mut mixed = with("aaaa");
+        mixed[0] = with("bbbb")[0].clone();
+        std::fs::write(&f, mixed.join("\n")).unwrap();
+        assert!(run(&[
+            f.to_string_lossy().into(),
+            "--out".into(),
+            out.to_string_lossy().into(),
+            "--ptx-hash".into(),
+            "0123456789abcdef".into()
+        ])
+        .is_err());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

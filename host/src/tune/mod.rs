@@ -357,7 +357,7 @@ impl Tuner {
     fn table_pick(&self, key: &TuneKey) -> Option<Entry> {
         let start = std::time::Instant::now();
         let (t, fit) = self.table.as_ref()?;
-        if self.mode != Mode::Table || *fit != table::Fit::Exact {
+        if self.mode != Mode::Table || !fit.exact_for(key.family) {
             return None;
         }
         let e = t.exact(key)?;

@@ -53,6 +53,10 @@ pub struct Table {
     /// timed: other kernels use it as a prior only.
     #[serde(default)]
     pub ptx_hash: String,
+    /// Per family, [`crate::ptx::family_hash`] of the kernels it timed: with other PTX as a
+    /// whole, a family whose candidates are unchanged keeps the table's measurements.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub family_hashes: BTreeMap<Family, String>,
     /// Per family, the best fixed config (smallest geometric-mean slowdown over the table's keys).
     pub fixed: BTreeMap<Family, TileConfig>,
     /// Families whose table picks lost to their fixed config in the steady state (`lmhead-bench
@@ -67,9 +71,38 @@ pub struct Table {
 pub enum Fit {
     /// Measured on this device model with these kernels: exact keys need no trials.
     Exact,
+    /// Measured on this device model, with other kernels as a whole but these kernels for the
+    /// families in the mask (bit `i`: `Family::ALL[i]`): exact for those, a prior for the rest.
+    Families(u8),
     /// Another device of the same architecture, or other kernels (a table older than the
     /// build): a prior for the shortlist only.
     Prior,
+}
+
+impl Fit {
+    /// Whether the table's picks for `family` need no trials.
+    pub fn exact_for(self, family: Family) -> bool {
+        match self {
+            Fit::Exact => true,
+            Fit::Families(mask) => Family::ALL.iter().position(|&f| f == family).is_some_and(|i| mask & (1 << i) != 0),
+            Fit::Prior => false,
+        }
+    }
+
+    /// The fit of a table of this device model that timed other PTX: exact for the families
+    /// whose hashes match (`hash_of`), a prior if none does.
+    pub fn of_families(table: &BTreeMap<Family, String>, hash_of: impl Fn(Family) -> String) -> Fit {
+        let mask = Family::ALL
+            .iter()
+            .enumerate()
+            .filter(|(_, &f)| table.get(&f).is_some_and(|h| *h == hash_of(f)))
+            .fold(0u8, |m, (i, _)| m | (1 << i));
+        if mask == 0 {
+            Fit::Prior
+        } else {
+            Fit::Families(mask)
+        }
+    }
 }
 
 impl Table {
@@ -89,7 +122,8 @@ impl Table {
     }
 
     /// The shipped table for `device`: its own model's (`Fit::Exact` when it timed these
-    /// kernels, else `Fit::Prior`), else, on another sm90 device, the first shipped table as a
+    /// kernels, `Fit::Families` when it timed some families' kernels as they are, else
+    /// `Fit::Prior`), else, on another sm90 device, the first shipped table as a
     /// prior; none before sm90 (only the `mma.sync` configs run there, and the tables do not
     /// rank them).
     pub fn shipped(device: &DeviceInfo) -> Option<(Table, Fit)> {
@@ -98,7 +132,8 @@ impl Table {
         }
         let tables: Vec<Table> = SHIPPED.iter().filter_map(|(_, text)| Table::parse(text).ok()).collect();
         if let Some(t) = tables.iter().find(|t| t.device == device.name) {
-            let fit = if t.ptx_hash == crate::ptx::ptx_hash() { Fit::Exact } else { Fit::Prior };
+            let fit =
+                if t.ptx_hash == crate::ptx::ptx_hash() { Fit::Exact } else { Fit::of_families(&t.family_hashes, crate::ptx::family_hash) };
             return Some((t.clone(), fit));
         }
         tables.into_iter().next().map(|t| (t, Fit::Prior))
@@ -170,16 +205,37 @@ mod tests {
             assert_eq!(t.ptx_hash.len(), 16, "{name}: no PTX hash");
             // The steady-state sweep's finding (docs/PERFORMANCE.md): the d-logits picks lost.
             assert!(t.fixed_only(Family::BwdDlogits) && t.fixed_only(Family::BwdDlogitsEnt), "{name}");
-            if t.ptx_hash != crate::ptx::ptx_hash() {
-                // Not an error: the table then serves as a prior (shortlists are timed). A new
-                // `lmhead-bench tune-table` run on the GPU brings back zero-trial picks.
-                println!("note: {name} timed other kernels ({} ≠ {}): a prior only", t.ptx_hash, crate::ptx::ptx_hash());
+            let now: BTreeMap<Family, String> = Family::ALL.iter().map(|&f| (f, crate::ptx::family_hash(f))).collect();
+            if t.ptx_hash == crate::ptx::ptx_hash() {
+                // Stamped for these kernels: its family hashes must be these kernels' too.
+                assert_eq!(t.family_hashes, now, "{name}: family hashes of other kernels");
+            } else {
+                // Not an error: the table then serves as a prior (shortlists are timed), exact
+                // for the families whose kernels are unchanged. A new `lmhead-bench tune-table`
+                // run on the GPU brings back zero-trial picks.
+                let fit = Fit::of_families(&t.family_hashes, |f| now[&f].clone());
+                println!("note: {name} timed other kernels ({} ≠ {}): {fit:?}", t.ptx_hash, crate::ptx::ptx_hash());
             }
             for e in &t.entries {
                 assert!((e.ranking[0].1 - 1.0).abs() < 1e-9, "{name}: {e:?} does not start at 1.0");
                 assert!(e.ranking.windows(2).all(|w| w[0].1 <= w[1].1), "{name}: {e:?} not sorted");
                 assert!(TokenBucket::of(e.bucket as usize).tokens() == e.bucket, "{name}: bucket {}", e.bucket);
             }
+        }
+    }
+
+    #[test]
+    fn a_fit_is_exact_for_the_families_whose_kernels_match() {
+        let hash = |f: Family| format!("{f:?}-now");
+        let mut t: BTreeMap<Family, String> = BTreeMap::new();
+        assert_eq!(Fit::of_families(&t, hash), Fit::Prior);
+        t.insert(Family::Fwd, hash(Family::Fwd));
+        t.insert(Family::BwdDh, "other".into());
+        let fit = Fit::of_families(&t, hash);
+        assert!(matches!(fit, Fit::Families(_)), "{fit:?}");
+        for f in Family::ALL {
+            assert_eq!(fit.exact_for(f), f == Family::Fwd, "{f:?}");
+            assert!(Fit::Exact.exact_for(f) && !Fit::Prior.exact_for(f));
         }
     }
 
@@ -192,6 +248,7 @@ mod tests {
             device: "X".into(),
             source: String::new(),
             ptx_hash: String::new(),
+            family_hashes: BTreeMap::new(),
             fixed: BTreeMap::new(),
             fixed_only: Vec::new(),
             entries: vec![
