@@ -50,7 +50,7 @@ pub struct Table {
     /// How it was made (command and results files).
     pub source: String,
     /// The `ptx_hash` (`crate::ptx::ptx_hash`, in the tune cache header) of the kernels it
-    /// timed: other kernels use it as a prior only.
+    /// timed: other kernels use it as a prior only (per family, see `family_hashes`).
     #[serde(default)]
     pub ptx_hash: String,
     /// Per family, [`crate::ptx::family_hash`] of the kernels it timed: with other PTX as a
