@@ -76,7 +76,7 @@ pub fn run(head: &LmHead, args: &Args, gpu: &str, commit: &str) {
         for (key, entry) in &new {
             let rec = serde_json::json!({
                 "suite": "tune-table", "gpu": gpu, "commit": commit, "ptx_hash": lmhead::ptx::ptx_hash(),
-                "family_hashes": lmhead::Family::ALL.iter().map(|&f| (format!("{f:?}"), lmhead::ptx::family_hash(f))).collect::<std::collections::BTreeMap<_, _>>(),
+                "family_hashes": lmhead::ptx::family_hashes(),
                 "timestamp": crate::unix_now(),
                 "shape": {"t": c.t, "v": c.v, "d": c.d, "case": c.name()},
                 "complete": false, "key": key, "entry": entry,

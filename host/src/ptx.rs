@@ -1,8 +1,10 @@
 //! The embedded PTX (built by `build.rs`) and its split into one small module per entry point,
 //! so that a process JIT-compiles only the kernels it launches.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::OnceLock;
+
+use lmhead_core::Family;
 
 /// The whole PTX module, as built.
 pub const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
@@ -14,21 +16,26 @@ pub const CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kernels.cubin
 /// A short hash of the PTX (part of the tuning-cache key: new kernels invalidate old timings).
 pub fn ptx_hash() -> String {
     use sha2::{Digest, Sha256};
-    let d = Sha256::digest(PTX.as_bytes());
-    d.iter().take(8).map(|b| format!("{b:02x}")).collect()
+    static H: OnceLock<String> = OnceLock::new();
+    H.get_or_init(|| short_hex(&Sha256::digest(PTX.as_bytes()))).clone()
 }
 
-/// A hash of one family's compiled candidates (`sha256` over each candidate's name and entry
-/// module, labels numbered by function made neutral; first 16 hex digits), so that a tuning
-/// table can tell which families' kernels are the ones it timed when the PTX as a whole has
-/// changed (`tune::table`).
-pub fn family_hash(family: lmhead_core::Family) -> String {
-    family_hash_of(entry_modules(), family)
+/// Per family, a hash of its compiled candidates ([`family_hash_of`] over the embedded PTX), so
+/// that a tuning table can tell which families' kernels are the ones it timed when the PTX as a
+/// whole has changed (`tune::table`). Computed once per process.
+pub fn family_hashes() -> &'static BTreeMap<Family, String> {
+    static H: OnceLock<BTreeMap<Family, String>> = OnceLock::new();
+    H.get_or_init(|| Family::ALL.iter().map(|&f| (f, family_hash_of(entry_modules(), f))).collect())
 }
 
-/// [`family_hash`] over the entry modules of any PTX ([`split`]); a missing entry hashes as
-/// empty.
-pub fn family_hash_of(mods: &HashMap<String, String>, family: lmhead_core::Family) -> String {
+/// [`family_hashes`]' entry for `family`.
+pub fn family_hash(family: Family) -> String {
+    family_hashes()[&family].clone()
+}
+
+/// `sha256` over each of `family`'s candidates' name and entry module ([`split`]), labels
+/// numbered by function made neutral; first 16 hex digits. A missing entry hashes as empty.
+pub fn family_hash_of(mods: &HashMap<String, String>, family: Family) -> String {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
     for &c in family.candidates() {
@@ -38,7 +45,12 @@ pub fn family_hash_of(mods: &HashMap<String, String>, family: lmhead_core::Famil
         h.update(neutral_labels(mods.get(&name).map_or("", |m| m.as_str())).as_bytes());
         h.update([0]);
     }
-    h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect()
+    short_hex(&h.finalize())
+}
+
+/// The first 16 hex digits of a digest.
+fn short_hex(digest: &[u8]) -> String {
+    digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
 
 /// `text` with the function numbers in llc's labels (`$L__BB60_7` → `$L__BB_7`, `$L_brx_3` →
@@ -150,19 +162,19 @@ mod tests {
     fn family_hashes_ignore_function_numbers_only() {
         assert_eq!(neutral_labels("bra $L__BB60_7; $L_brx_26: x $L_other"), "bra $L__BB_7; $L_brx_: x $L_other");
         let mods = entry_modules();
-        let hashes: Vec<String> = lmhead_core::Family::ALL.iter().map(|&f| family_hash(f)).collect();
-        for (i, &f) in lmhead_core::Family::ALL.iter().enumerate() {
-            assert_eq!(hashes[i].len(), 16);
+        for (&f, hash) in family_hashes() {
+            assert_eq!(hash.len(), 16);
+            assert_eq!(family_hash_of(mods, f), *hash, "{f:?}");
             // Renumbering the functions keeps the hash; changing one instruction changes it.
             let name = lmhead_core::config::kernel_name(f, f.candidates()[0]);
             let mut renumbered = mods.clone();
             let m = renumbered.get_mut(&name).unwrap();
             *m = m.replace("$L__BB", "$L__BB9");
-            assert_eq!(family_hash_of(&renumbered, f), hashes[i], "{f:?}");
+            assert_eq!(family_hash_of(&renumbered, f), *hash, "{f:?}");
             let mut edited = mods.clone();
             let m = edited.get_mut(&name).unwrap();
             *m = m.replacen("ret;", "ret; ret;", 1);
-            assert_ne!(family_hash_of(&edited, f), hashes[i], "{f:?}");
+            assert_ne!(family_hash_of(&edited, f), *hash, "{f:?}");
         }
     }
 

@@ -325,9 +325,18 @@ mod tests {
         assert!((g - (1.02f64 * 1.02).powf(1.0 / 3.0)).abs() < 1e-9, "{g}");
         let out = dir.join("t.json");
         assert!(run(&[f.to_string_lossy().into(), "--out".into(), out.to_string_lossy().into()]).is_err(), "no PTX hash");
-        run(&[f.to_string_lossy().into(), "--out".into(), out.to_string_lossy().into(), "--ptx-hash".into(), "0123456789abcdef".into()])
-            .unwrap();
-        let t: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+        // The records in `f` into a table at `out`, read back.
+        let make = || -> Result<Value, String> {
+            run(&[
+                f.to_string_lossy().into(),
+                "--out".into(),
+                out.to_string_lossy().into(),
+                "--ptx-hash".into(),
+                "0123456789abcdef".into(),
+            ])?;
+            Ok(serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap())
+        };
+        let t = make().unwrap();
         assert_eq!(t["entries"].as_array().unwrap().len(), 3);
         assert_eq!(t["fixed"]["Fwd"], serde_json::to_value(Family::Fwd.candidates()[b]).unwrap());
         assert!(t.get("family_hashes").is_none(), "records without family hashes: none in the table");
@@ -343,21 +352,11 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         std::fs::write(&f, with("aaaa").join("\n")).unwrap();
-        run(&[f.to_string_lossy().into(), "--out".into(), out.to_string_lossy().into(), "--ptx-hash".into(), "0123456789abcdef".into()])
-            .unwrap();
-        let t: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
-        assert_eq!(t["family_hashes"], serde_json::json!({ "Fwd": "aaaa" }));
+        assert_eq!(make().unwrap()["family_hashes"], serde_json::json!({ "Fwd": "aaaa" }));
         let mut mixed = with("aaaa");
         mixed[0] = with("bbbb")[0].clone();
         std::fs::write(&f, mixed.join("\n")).unwrap();
-        assert!(run(&[
-            f.to_string_lossy().into(),
-            "--out".into(),
-            out.to_string_lossy().into(),
-            "--ptx-hash".into(),
-            "0123456789abcdef".into()
-        ])
-        .is_err());
+        assert!(make().is_err());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
