@@ -49,7 +49,7 @@ pub fn family_hash_of(mods: &HashMap<String, String>, family: Family) -> String 
 }
 
 /// The first 16 hex digits of a digest.
-fn short_hex(digest: &[u8]) -> String {
+pub(crate) fn short_hex(digest: &[u8]) -> String {
     digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
 

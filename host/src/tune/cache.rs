@@ -40,7 +40,7 @@ pub fn candidates_checksum() -> String {
     for f in lmhead_core::Family::ALL {
         h.update(format!("{f:?}{:?}", f.candidates()).as_bytes());
     }
-    h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect()
+    crate::ptx::short_hex(&h.finalize())
 }
 
 #[derive(Serialize, Deserialize)]
