@@ -33,8 +33,9 @@ pub fn family_hash(family: Family) -> String {
     family_hashes()[&family].clone()
 }
 
-/// `sha256` over each of `family`'s candidates' name and entry module ([`split`]), labels
-/// numbered by function made neutral; first 16 hex digits. A missing entry hashes as empty.
+/// `sha256` over each of `family`'s candidates' name and entry module ([`split`]), comments
+/// dropped and labels numbered by function made neutral ([`neutral_labels`]); first 16 hex
+/// digits. A missing entry hashes as empty.
 pub fn family_hash_of(mods: &HashMap<String, String>, family: Family) -> String {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
@@ -53,12 +54,15 @@ pub(crate) fn short_hex(digest: &[u8]) -> String {
     digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
 
-/// `text` with the function numbers in llc's labels (`$L__BB60_7` → `$L__BB_7`, `$L_brx_3` →
-/// `$L_brx_`) dropped: they count the functions of the module, so they change when another
-/// entry is added or removed.
+/// `text` without its `//` comments and blank lines, and with the function numbers in llc's labels
+/// (`$L__BB60_7` → `$L__BB_7`, `$L_brx_3` → `$L_brx_`) dropped: they count the functions of the
+/// module, so they change when another entry is added or removed (llc's loop comments,
+/// `Header=BB63_36`, carry the same numbers).
 fn neutral_labels(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    let mut rest = text;
+    let code: String =
+        text.lines().map(|l| l.split("//").next().unwrap_or("").trim_end()).filter(|l| !l.is_empty()).flat_map(|l| [l, "\n"]).collect();
+    let mut out = String::with_capacity(code.len());
+    let mut rest = code.as_str();
     while let Some(i) = rest.find("$L_") {
         out.push_str(&rest[..i]);
         rest = &rest[i..];
@@ -160,7 +164,8 @@ mod tests {
 
     #[test]
     fn family_hashes_ignore_function_numbers_only() {
-        assert_eq!(neutral_labels("bra $L__BB60_7; $L_brx_26: x $L_other"), "bra $L__BB_7; $L_brx_: x $L_other");
+        assert_eq!(neutral_labels("bra $L__BB60_7; $L_brx_26: x $L_other"), "bra $L__BB_7; $L_brx_: x $L_other\n");
+        assert_eq!(neutral_labels("//\n$L__BB60_7:   // in Loop: Header=BB60_3\n\n  add; //x\n"), "$L__BB_7:\n  add;\n");
         let mods = entry_modules();
         for (&f, hash) in family_hashes() {
             assert_eq!(hash.len(), 16);
