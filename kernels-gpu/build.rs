@@ -44,8 +44,9 @@ fn main() {
                 (Family::BwdDw, Sm90 { store: Store::Registers }) => {
                     ("GemmParams", format!("body::gemm::<sm90::Sm90<{wg}, true, true>, 1, 8>"))
                 }
-                (Family::Fwd | Family::FwdEnt | Family::BwdDh | Family::BwdDw, Sm90 { store: Store::Tma }) => {
-                    panic!("{family:?} {c:?}: only the d-logits store their tile through TMA")
+                (Family::BwdDh, Sm90 { store: Store::Tma }) => ("GemmParams", format!("sm90::dh_tma_acc::<{wg}>")),
+                (Family::Fwd | Family::FwdEnt | Family::BwdDw, Sm90 { store: Store::Tma }) => {
+                    panic!("{family:?} {c:?}: only the d-logits and dh store their tile through TMA")
                 }
             };
             writeln!(

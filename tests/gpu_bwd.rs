@@ -49,6 +49,8 @@ struct BwdCase {
     max_rel_l2: Option<f64>,
     /// No `dW` asked for (a frozen head): `dW` must stay untouched.
     frozen_w: bool,
+    /// An f32 `dh` that starts 8 bytes into its allocation (no tensor map can address it).
+    dh_offset8: bool,
 }
 
 impl BwdCase {
@@ -66,6 +68,7 @@ impl BwdCase {
             config: BwdConfigs::all(Choice::Fallback),
             max_rel_l2: None,
             frozen_w: false,
+            dh_offset8: false,
         }
     }
 }
@@ -119,7 +122,8 @@ fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &BwdCase, seed: u64) -> Strin
     let use_ent = c.up != Upstream::LogProb;
 
     let mut dh16: CudaSlice<bf16> = stream.alloc_zeros(c.t * c.d).unwrap();
-    let mut dh32: CudaSlice<f32> = stream.alloc_zeros(c.t * c.d).unwrap();
+    let off = if c.dh_offset8 { 2 } else { 0 };
+    let mut dh32: CudaSlice<f32> = stream.alloc_zeros(c.t * c.d + off).unwrap();
     let mut dw16: CudaSlice<bf16> = stream.alloc_zeros(c.v * c.d).unwrap();
     let mut dw32: CudaSlice<f32> = stream.alloc_zeros(c.v * c.d).unwrap();
     poison(stream, &mut dh16).unwrap();
@@ -137,11 +141,12 @@ fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &BwdCase, seed: u64) -> Strin
         problem: p,
     };
     let opts = BwdOptions { temperature: temp, chunk: c.chunk, config: c.config, ..Default::default() };
-    let dh_out = if c.dh_f32 { GradOut::F32(&mut dh32) } else { GradOut::Bf16(&mut dh16) };
+    let mut dh32_view = dh32.slice_mut(off..);
+    let dh_out = if c.dh_f32 { GradOut::F32(&mut dh32_view) } else { GradOut::Bf16(&mut dh16) };
     let dw_out = if c.dw_f32 { GradOut::F32(&mut dw32) } else { GradOut::Bf16(&mut dw16) };
     let dw_out = (!c.frozen_w).then_some(dw_out);
     let rep = head.backward(stream, &x, &opts, dh_out, dw_out).unwrap_or_else(|e| panic!("backward failed [{desc}]: {e}"));
-    let gdh = if c.dh_f32 { download_f32(stream, &dh32).unwrap() } else { download_bf16(stream, &dh16).unwrap() };
+    let gdh = if c.dh_f32 { download_f32(stream, &dh32).unwrap()[off..].to_vec() } else { download_bf16(stream, &dh16).unwrap() };
     let gdw = if c.dw_f32 { download_f32(stream, &dw32).unwrap() } else { download_bf16(stream, &dw16).unwrap() };
 
     // Reference: saved statistics from the f64 forward (small shapes) or the GPU's (large).
@@ -213,11 +218,11 @@ fn sm90_configs() -> BwdConfigs {
     first_configs(|c| c.is_sm90() && !c.mainloop.tma_store())
 }
 
-/// The sm90 GEMMs with the first d-logits candidate that stores its tiles through shared memory
-/// by TMA.
+/// The first d-logits and dh candidates that write their tiles through shared memory by TMA
+/// (dh: its f32 accumulator stored, then added in place), with the sm90 dW.
 fn tma_store_configs() -> BwdConfigs {
-    let st = *Family::BwdDlogits.candidates().iter().find(|c| c.mainloop.tma_store()).expect("a TMA-store candidate");
-    BwdConfigs { dlogits: Choice::Fixed(st), ..sm90_configs() }
+    let st = |f: Family| Choice::Fixed(*f.candidates().iter().find(|c| c.mainloop.tma_store()).expect("a TMA-store candidate"));
+    BwdConfigs { dlogits: st(Family::BwdDlogits), dh: st(Family::BwdDh), ..sm90_configs() }
 }
 
 /// Shapes and upstream-gradient combinations; several chunks with a tail; f32 and bf16 outputs;
@@ -253,6 +258,12 @@ fn shapes_and_upstreams() {
     c.config = sm90_configs();
     cases.push(c.clone());
     c.config = tma_store_configs();
+    cases.push(c.clone());
+    // The TMA dh into an f32 output: stored, then added in place, every chunk; and the same
+    // into an output only 8-byte aligned (the register twin runs).
+    c.dh_f32 = true;
+    cases.push(c.clone());
+    c.dh_offset8 = true;
     cases.push(c);
     let mut c = BwdCase::new(64, 1000, 1000, Upstream::Entropy);
     c.chunk = Some(300);
@@ -308,7 +319,9 @@ fn tile_boundaries_every_config() {
         let mut c = BwdCase::new(bm + 1, 4 * bk + 6, bn + 8, Upstream::LogProb);
         c.chunk = Some(2 * bk + 3);
         c.config.dh = Choice::Fixed(cfg);
-        c.config.dw = Choice::Fixed(cfg);
+        // dW at the same tile (a dh-only `tma_store` config: its register twin).
+        let twin = lmhead::TileConfig { mainloop: lmhead::Mainloop::Sm90 { store: lmhead::Store::Registers }, ..cfg };
+        c.config.dw = Choice::Fixed(if Family::BwdDw.candidates().contains(&cfg) { cfg } else { twin });
         c.dh_f32 = bm % 128 == 0;
         cases.push(c);
     }

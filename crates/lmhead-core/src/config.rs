@@ -48,7 +48,8 @@ impl Family {
         match self {
             Family::Fwd | Family::FwdEnt => FWD_CANDIDATES,
             Family::BwdDlogits | Family::BwdDlogitsEnt => LOGITS_CANDIDATES,
-            Family::BwdDh | Family::BwdDw => GEMM_CANDIDATES,
+            Family::BwdDh => DH_CANDIDATES,
+            Family::BwdDw => GEMM_CANDIDATES,
         }
     }
 
@@ -86,9 +87,11 @@ pub enum Mainloop {
 pub enum Store {
     /// Straight from the accumulator fragments (4-byte stores, or the fold into row states).
     Registers,
-    /// d-logits only: each consumer warpgroup writes its tile with `stmatrix` into two 64 × 64
-    /// shared-memory boxes with the 128-byte swizzle (after the ring, [`TMA_STORE_BYTES`] for
-    /// the block) and the tensor memory accelerator stores each box.
+    /// d-logits and `dh` only: each consumer warpgroup writes its tile into two shared-memory
+    /// boxes with the 128-byte swizzle (after the ring, [`TMA_STORE_BYTES`] for the block), in
+    /// turn, and the tensor memory accelerator writes each box out: the d-logits' bf16 tile
+    /// (64 × 64 boxes, by `stmatrix`), `dh`'s f32 accumulator (64 × 32 boxes, stored for the
+    /// first vocab chunk and added in place for the others).
     Tma,
 }
 
@@ -121,8 +124,8 @@ pub struct TileConfig {
     pub mainloop: Mainloop,
 }
 
-/// Shared memory of a `tma_store` config's output boxes: two 64 × 64 bf16 boxes per consumer
-/// warpgroup. They start [`TMA_STORE_GAP`] bytes after the ring.
+/// Shared memory of a `tma_store` config's output boxes: two 8 KiB boxes per consumer warpgroup
+/// (64 × 64 bf16 for the d-logits, 64 × 32 f32 for `dh`). They start [`TMA_STORE_GAP`] bytes after the ring.
 pub const TMA_STORE_BYTES: usize = 2 * 2 * 64 * 64 * 2;
 
 /// Bytes between the end of a `tma_store` config's ring and its output boxes: the mbarriers
@@ -140,7 +143,7 @@ const fn tw(bn: u16, stages: u8) -> TileConfig {
     TileConfig { bm: 128, bn, bk: 64, stages, warps_m: 8, warps_n: 1, mainloop: Mainloop::Sm90 { store: Store::Registers } }
 }
 
-/// An sm90 d-logits config whose epilogue stores through shared memory by TMA.
+/// An sm90 d-logits or `dh` config whose epilogue writes through shared memory by TMA.
 const fn ts(bn: u16, stages: u8) -> TileConfig {
     TileConfig { mainloop: Mainloop::Sm90 { store: Store::Tma }, ..tw(bn, stages) }
 }
@@ -186,6 +189,23 @@ pub const GEMM_CANDIDATES: &[TileConfig] = &[
     tw(256, 4),
     tw(128, 6),
     tw(256, 3),
+];
+
+/// Candidates of the backward `dh` GEMM: the GEMMs', and the sm90 ones again with the f32
+/// accumulator written through shared memory by TMA (stored, or added in place).
+pub const DH_CANDIDATES: &[TileConfig] = &[
+    tc(128, 128, 32, 4, 2, 4),
+    tc(128, 256, 32, 3, 2, 4),
+    tc(256, 128, 32, 3, 4, 2),
+    tc(128, 128, 64, 3, 2, 4),
+    tc(64, 128, 32, 4, 2, 2),
+    tc(64, 64, 64, 4, 2, 2),
+    tw(256, 4),
+    tw(128, 6),
+    tw(256, 3),
+    ts(256, 4),
+    ts(128, 6),
+    ts(256, 3),
 ];
 
 /// The shared memory an H200 block may use at most (227 KiB).
@@ -285,6 +305,7 @@ impl TileConfig {
         // tuning cache and the PTX boundary.
         let wg = match (self.mainloop, family) {
             (Mainloop::MmaSync, _) => "",
+            (Mainloop::Sm90 { store: Store::Tma }, Family::BwdDh) => "_tma_mn_st",
             (Mainloop::Sm90 { store: Store::Tma }, _) => "_tma_st",
             (Mainloop::Sm90 { store: Store::Registers }, Family::BwdDh | Family::BwdDw) => "_tma_mn",
             (Mainloop::Sm90 { store: Store::Registers }, _) => "_tma",
@@ -378,10 +399,11 @@ mod tests {
         assert_eq!(kernel_name(Family::BwdDh, tw(256, 4)), "lm_head_bwd_dh_m128_n256_k64_s4_w8x1_tma_mn");
         assert_eq!(kernel_name(Family::BwdDw, tw(256, 4)), "lm_head_bwd_dw_m128_n256_k64_s4_w8x1_tma_mn");
         assert_eq!(kernel_name(Family::BwdDlogitsEnt, ts(256, 4)), "lm_head_bwd_dlogits_ent_t128_v256_d64_s4_w8x1_tma_st");
+        assert_eq!(kernel_name(Family::BwdDh, ts(256, 4)), "lm_head_bwd_dh_m128_n256_k64_s4_w8x1_tma_mn_st");
     }
 
     #[test]
-    fn tma_store_is_a_dlogits_option_that_fits_beside_the_ring() {
+    fn tma_store_is_a_dlogits_and_dh_option_that_fits_beside_the_ring() {
         for c in [ts(256, 4), ts(128, 6), ts(256, 3)] {
             assert!(c.is_well_formed(), "{c:?}");
             assert_eq!(c.smem_bytes(), c.ring_bytes() + TMA_STORE_GAP + TMA_STORE_BYTES, "ring, barriers in the gap, then the boxes");
@@ -390,7 +412,13 @@ mod tests {
         }
         for f in Family::ALL {
             let has = f.candidates().iter().any(|c| c.mainloop.tma_store());
-            assert_eq!(has, matches!(f, Family::BwdDlogits | Family::BwdDlogitsEnt), "{f:?}: only the d-logits store a tile");
+            assert_eq!(has, matches!(f, Family::BwdDlogits | Family::BwdDlogitsEnt | Family::BwdDh), "{f:?}: only the d-logits and dh");
+        }
+        // A `tma_store` dh config falls back to its register twin (same tile, same candidates
+        // list) when the accumulator is not 16-byte aligned (`host/src/launch/tiles.rs`).
+        for &c in Family::BwdDh.candidates().iter().filter(|c| c.mainloop.tma_store()) {
+            let twin = TileConfig { mainloop: Mainloop::Sm90 { store: Store::Registers }, ..c };
+            assert!(Family::BwdDh.candidates().contains(&twin), "{c:?}");
         }
     }
 

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
-use lmhead_core::config::{kernel_name, Family, TileConfig};
+use lmhead_core::config::{kernel_name, Family, Mainloop, Store, TileConfig};
 use lmhead_core::params::{GemmParams, LogitsParams};
 
 use super::tmap::{tma_maps_for, TmaOperand};
@@ -292,7 +292,20 @@ fn launch_gemm(
     if let Some(o) = out {
         p.c_out = o.check(m * n, if mode.out_f32 { 8 } else { 4 })?;
     }
-    let (maps, tmaps) = tma_maps_for(cfg, stream, &maps)?;
+    // A `tma_store` dh writes a sum that goes to the accumulator alone through a third map over
+    // it (stored or added by TMA); a tensor map needs a 16-byte aligned base, so an accumulator
+    // that is only 8-byte aligned (a caller's f32 view) takes the config's register twin.
+    let mut cfg = cfg;
+    let acc_map = (cfg.mainloop.tma_store() && mode.write_acc && out.is_none()).then(|| TmaOperand::f32_acc(p.c_acc, m, n, n));
+    let acc_map = match acc_map {
+        Some(a) if !a.ptr.is_multiple_of(16) => {
+            cfg = TileConfig { mainloop: Mainloop::Sm90 { store: Store::Registers }, ..cfg };
+            None
+        }
+        a => a,
+    };
+    let ops: Vec<TmaOperand> = maps.into_iter().chain(acc_map).collect();
+    let (maps, tmaps) = tma_maps_for(cfg, stream, &ops)?;
     p.tmaps = tmaps;
     let m_tiles = m.div_ceil(cfg.bm as usize) as u32;
     let plan = crate::plan::bwd(gpu, cfg, m_tiles, n.div_ceil(cfg.bn as usize) as u32, k);

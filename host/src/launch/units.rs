@@ -25,7 +25,7 @@ pub fn unit_tma_copy(
     if rows == 0 || rows > 256 || rows % 8 != 0 {
         return Err(Error::Config(format!("unit TMA box of {rows} rows (1..=256, multiple of 8)")));
     }
-    let a = TmaOperand { ptr: src.check(src_rows * stride, 16)?, rows: src_rows, cols: k, stride, box_rows: rows };
+    let a = TmaOperand { ptr: src.check(src_rows * stride, 16)?, rows: src_rows, cols: k, stride, box_rows: rows, f32: false };
     let (maps, tmaps) = tma_maps(stream, &[a])?;
     let p = UnitParams { tmaps, out: out.check(rows as usize * 64, 16)?, k0, row0, rows, _pad: 0 };
     launch(gpu, stream, fixed::UNIT_TMA_COPY, rows * 128 + 8, (1, 1), 128, p)?;

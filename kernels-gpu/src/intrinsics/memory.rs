@@ -55,6 +55,16 @@ pub unsafe fn st_shared_v4(addr: SmemAddr, v: [f32; 4]) {
     };
 }
 
+/// `st.shared.v2.f32`.
+///
+/// # Safety
+/// `addr` must be an 8-byte aligned shared address with 8 writable bytes.
+#[inline(always)]
+pub unsafe fn st_shared_v2(addr: SmemAddr, a: f32, b: f32) {
+    // SAFETY: the caller guarantees the address.
+    unsafe { asm!("st.shared.v2.f32 [{p}], {{{a}, {b}}};", p = in(reg32) addr, a = in(reg32) a, b = in(reg32) b, options(nostack)) };
+}
+
 /// `ld.shared.v4.f32`.
 ///
 /// # Safety

@@ -1,5 +1,5 @@
 //! The tensor memory accelerator (sm90): mbarriers, `cp.async.bulk.tensor` loads and stores,
-//! `prefetch.tensormap`, and bulk groups.
+//! `prefetch.tensormap`, bulk reductions, and bulk groups.
 
 use super::SmemAddr;
 use core::arch::asm;
@@ -131,6 +131,32 @@ pub unsafe fn tma_store_2d(tmap: *const u8, src: SmemAddr, c0: i32, c1: i32, iss
             ".reg .pred p;",
             "setp.ne.u32 p, {i}, 0;",
             "@p cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [{t}, {{{c0}, {c1}}}], [{s}];",
+            "}}",
+            t = in(reg64) tmap, c0 = in(reg32) c0, c1 = in(reg32) c1, s = in(reg32) src, i = in(reg32) issue as u32,
+            options(nostack)
+        )
+    };
+}
+
+/// `cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group`, issued only by the
+/// threads whose `issue` is set (a predicate, as in [`tma_store_2d`]): the tensor memory
+/// accelerator adds the box at `src` in shared memory (laid out as the map's swizzle says)
+/// element-wise into coordinates `(c0, c1)` (innermost first) of the tensor described by `tmap`
+/// (in its element type), skipping out-of-bounds elements. Each element's add is atomic; the
+/// copy joins the issuing thread's current bulk group ([`bulk_commit`]), and the box may be
+/// rewritten only after [`bulk_wait_read`] covers that group.
+///
+/// # Safety
+/// As [`tma_store_2d`], except that other writers may add to the same elements concurrently.
+#[inline(always)]
+pub unsafe fn tma_reduce_add_2d(tmap: *const u8, src: SmemAddr, c0: i32, c1: i32, issue: bool) {
+    // SAFETY: the caller guarantees the map, the source box and its lifetime.
+    unsafe {
+        asm!(
+            "{{",
+            ".reg .pred p;",
+            "setp.ne.u32 p, {i}, 0;",
+            "@p cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [{t}, {{{c0}, {c1}}}], [{s}];",
             "}}",
             t = in(reg64) tmap, c0 = in(reg32) c0, c1 = in(reg32) c1, s = in(reg32) src, i = in(reg32) issue as u32,
             options(nostack)
