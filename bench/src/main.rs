@@ -31,6 +31,7 @@
 //! forward+backward does four (logits, recompute, dh, dW).
 
 mod cublas;
+mod dh_probe;
 mod suites;
 mod table;
 mod tp;
@@ -403,7 +404,7 @@ fn main() {
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp|tune-table] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback | --fixed | --versus-fixed] [--no-check] [--skip N] [--bwd-chunk N] [--check-labels] [--resume FILE]");
+            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp|tune-table|dh-probe] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback | --fixed | --versus-fixed] [--no-check] [--skip N] [--bwd-chunk N] [--check-labels] [--resume FILE]");
             std::process::exit(2);
         }
     };
@@ -449,6 +450,13 @@ fn main() {
     }
     if args.suite == "tune-table" {
         table::run(&head, &args, &info.name, &commit());
+        return;
+    }
+    if args.suite == "dh-probe" {
+        if let Err(e) = dh_probe::run(&head, &stream, &args) {
+            eprintln!("lmhead-bench dh-probe: {e}");
+            std::process::exit(1);
+        }
         return;
     }
     let suite = Suite::named(&args.suite).unwrap_or_else(|| {

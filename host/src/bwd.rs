@@ -259,6 +259,10 @@ impl LmHead {
                 acc_buf = dev_out(ws.dh_acc.get(src, stream, p.t * p.d)?, stream, "dh accumulator")?;
                 &acc_buf
             };
+            // A `tma_store` dh adds each chunk into the f32 accumulator by TMA; the last chunk of a
+            // bf16 dh is added too and the sum cast once (cheaper than that chunk's register
+            // epilogue, which reads the accumulator: `lmhead-bench dh-probe`).
+            let cast_at_end = !dh.f32 && !reduce_bf16 && chunks > 1 && cfg_dh.mainloop.tma_store();
             for c in 0..chunks {
                 let c0 = c * chunk;
                 let cw = chunk.min(p.v - c0);
@@ -267,7 +271,7 @@ impl LmHead {
                 let first = c == 0;
                 let last = c + 1 == chunks;
                 // With a reduction, bf16 dh stays in the f32 accumulator until after the SUM.
-                let straight_to_bf16 = !dh.f32 && last && !reduce_bf16;
+                let straight_to_bf16 = !dh.f32 && last && !reduce_bf16 && !cast_at_end;
                 let mode = GemmOut { accumulate: !first, write_acc: !straight_to_bf16, out_f32: dh.f32 };
                 let out = straight_to_bf16.then_some(&dh.dev);
                 g.dh(cfg_dh, (c0, cw), &staging, Some(acc), out, mode)?;
@@ -277,6 +281,9 @@ impl LmHead {
                     let dw_chunk = dw.dev.sub(c0 * p.d, cw * p.d, elem)?;
                     g.dw(cfg_dw, cw, &staging, &dw_chunk, GemmOut { accumulate: false, write_acc: false, out_f32: dw.f32 })?;
                 }
+            }
+            if cast_at_end {
+                launch::cast_f32_bf16(&self.gpu, stream, p.t * p.d, acc, &dh.dev)?;
             }
             if let Some(comm) = reduce_dh {
                 crate::tp::reduce_dh(&self.gpu, stream, comm, p.t * p.d, acc, reduce_bf16.then_some(&dh.dev))?;

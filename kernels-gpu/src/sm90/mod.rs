@@ -31,7 +31,6 @@ mod wgmma;
 
 use crate::body::{self, GemmJob, Job, Mainloop as _, Tiles};
 use crate::epilogue::dlogits::{dlogits_pair, row_coeffs};
-use crate::epilogue::gemm::store_gemm;
 use crate::epilogue::lse::{fold_tile, load_label, local_column, store_partials};
 use crate::epilogue::{Acc, WarpPos};
 use crate::intrinsics;
@@ -260,19 +259,22 @@ pub unsafe fn dlogits_tma_store<const BM: usize, const BN: usize, const ST: usiz
 }
 
 /// Backward `dh` GEMM of one vocab chunk (`body::gemm` on [`Sm90`] with the staging buffer
-/// K-major and the `W` chunk MN-major) whose f32 accumulator is written through [`AccBoxes`] by
-/// the tensor memory accelerator when the sum goes to the accumulator alone (`write_acc`, no
-/// output): stored for the first chunk, added (`cp.reduce.async.bulk.tensor … .add`) for the
-/// others, so the epilogue never reads the accumulator. With an output (the last chunk of a
-/// bf16 `dh`) the tile takes the register store (`epilogue::gemm`).
+/// K-major and the `W` chunk MN-major) whose sum goes to the f32 accumulator alone, written
+/// through [`AccBoxes`] by the tensor memory accelerator: stored for the first chunk
+/// (`accumulate` 0), added in place (`cp.reduce.async.bulk.tensor … .add`) for the others, so
+/// the epilogue never reads the accumulator. (The host runs a sum that also goes to an output
+/// on the config's register twin, `body::gemm`.)
 ///
 /// # Safety
-/// As `body::gemm` for `Sm90<BM, BN, ST, WGM, NW, false, true>`, with 1024 bytes after the
-/// ring and then `TMA_STORE_BYTES` of dynamic shared memory, and, when `write_acc` is set and
-/// `c_out` is 0, a third map in `p.tmaps`: the f32 accumulator `[m][c_stride]` (extent `n`
-/// columns), 32 × 64 boxes, 128-byte swizzle.
+/// As `body::gemm` for `Sm90<BM, BN, ST, WGM, NW, false, true>` with `write_acc` set and no
+/// output (`c_out` 0; otherwise the kernel traps), 1024 bytes after the ring and then
+/// `TMA_STORE_BYTES` of dynamic shared memory, and a third map in `p.tmaps`: the f32
+/// accumulator `[m][c_stride]` (extent `n` columns), 32 × 64 boxes, 128-byte swizzle.
 #[inline(always)]
 pub unsafe fn dh_tma_acc<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize>(p: &GemmParams) {
+    if p.write_acc == 0 || p.c_out != 0 {
+        intrinsics::trap();
+    }
     let job = GemmJob { p };
     let mut ml = Sm90::<BM, BN, ST, WGM, NW, false, true>::new();
     let t = ml.tiles(&job);
@@ -280,24 +282,18 @@ pub unsafe fn dh_tma_acc<const BM: usize, const BN: usize, const ST: usize, cons
     let w = unsafe { ml.start(&job, t) };
     // The host's `TileConfig::smem_bytes` reserves exactly these boxes for the block.
     const { assert!(WGM as u32 * 2 * BOX_BYTES == TMA_STORE_BYTES as u32) };
-    let boxes = p.write_acc != 0 && p.c_out == 0;
     let mut out = AccBoxes::new(TmaRing::new::<BM, BN, ST>().store_boxes(), (p.tmaps as *const u8).wrapping_add(256), w.tid, p.accumulate != 0);
     let row = t.m0 + 64 * (w.tid >> 7);
     let mut acc = Sm90::<BM, BN, ST, WGM, NW, false, true>::zero();
     let each = #[inline(always)]
     |n0: u32, a: &mut Acc<1, 8>| {
-        if boxes {
-            unroll!(2, |q| {
-                let x = [a[0][4 * q], a[0][4 * q + 1], a[0][4 * q + 2], a[0][4 * q + 3]];
-                // SAFETY: every consumer thread of the warpgroup runs each tile's quarters (a
-                // uniform branch); the boxes follow the ring and the accumulator's map is the
-                // third one (kernel contract); this block alone writes these rows and columns.
-                unsafe { out.put(&x, n0 + 32 * q as u32, row) };
-            });
-        } else {
-            // SAFETY: C buffers per the kernel contract.
-            unsafe { store_gemm::<1, 8>(p, &w, t.m0, n0, a) };
-        }
+        unroll!(2, |q| {
+            let x = [a[0][4 * q], a[0][4 * q + 1], a[0][4 * q + 2], a[0][4 * q + 3]];
+            // SAFETY: every consumer thread of the warpgroup runs each tile's quarters; the
+            // boxes follow the ring and the accumulator's map is the third one (kernel
+            // contract); this block alone writes these rows and columns.
+            unsafe { out.put(&x, n0 + 32 * q as u32, row) };
+        });
     };
     // SAFETY: every thread `start` returned to, once, with the same job.
     unsafe { ml.run(&job, &mut acc, each) };
