@@ -328,7 +328,7 @@ fn tile_boundaries_every_config() {
     run_all("gpu_bwd::tile_boundaries_every_config", &cases);
 }
 
-/// The same inputs twice give bitwise identical gradients (no atomics).
+/// The same inputs twice give bitwise identical gradients, for each kind of config.
 #[test]
 fn deterministic() {
     let Some((head, stream)) = gpu_or_skip("gpu_bwd::deterministic") else { return };
@@ -341,16 +341,26 @@ fn deterministic() {
     let labels = upload(&stream, &case.labels).unwrap();
     let lse = upload(&stream, &vec![5.0f32; t]).unwrap();
     let gl = upload(&stream, &vec![1.0f32; t]).unwrap();
-    let mut outs = Vec::new();
-    for _ in 0..2 {
-        let mut dh: CudaSlice<bf16> = stream.alloc_zeros(t * d).unwrap();
+    let run = |config: BwdConfigs| {
+        let mut dh: CudaSlice<f32> = stream.alloc_zeros(t * d).unwrap();
         let mut dw: CudaSlice<bf16> = stream.alloc_zeros(v * d).unwrap();
         let x =
             BwdInputs { h: &h, w: &w, labels: &labels, lse: &lse, entropy: None, grad_logprob: Some(&gl), grad_entropy: None, problem: p };
-        let opts = BwdOptions { chunk: Some(1000), config: BwdConfigs::all(Choice::Fallback), ..Default::default() };
-        head.backward(&stream, &x, &opts, GradOut::Bf16(&mut dh), Some(GradOut::Bf16(&mut dw))).unwrap();
-        outs.push((stream.clone_dtoh(&dh).unwrap(), stream.clone_dtoh(&dw).unwrap()));
+        let opts = BwdOptions { chunk: Some(1000), config, ..Default::default() };
+        head.backward(&stream, &x, &opts, GradOut::F32(&mut dh), Some(GradOut::Bf16(&mut dw))).unwrap();
+        (stream.clone_dtoh(&dh).unwrap(), stream.clone_dtoh(&dw).unwrap())
+    };
+    let same = |a: &(Vec<f32>, Vec<bf16>), b: &(Vec<f32>, Vec<bf16>)| {
+        (a.0.iter().zip(&b.0).all(|(x, y)| x.to_bits() == y.to_bits()), a.1.iter().zip(&b.1).all(|(x, y)| x.to_bits() == y.to_bits()))
+    };
+    // Each config twice, among them the TMA dh, whose adds into the accumulator are atomic
+    // but one per element and chunk, in chunk order.
+    for config in [BwdConfigs::all(Choice::Fallback), sm90_configs(), tma_store_configs()] {
+        let (a, b) = (run(config), run(config));
+        assert_eq!(same(&a, &b), (true, true), "dh, dW differ between runs of {config:?} (seed {seed})");
     }
-    assert!(outs[0].0.iter().zip(&outs[1].0).all(|(a, b)| a.to_bits() == b.to_bits()), "dh differs between runs");
-    assert!(outs[0].1.iter().zip(&outs[1].1).all(|(a, b)| a.to_bits() == b.to_bits()), "dW differs between runs");
+    // The TMA dh adds as the register epilogue does: bitwise the same dh as its register twin.
+    let st = tma_store_configs();
+    let (a, b) = (run(st), run(BwdConfigs { dlogits: st.dlogits, ..sm90_configs() }));
+    assert!(same(&a, &b).0, "the TMA dh differs from its register twin (seed {seed})");
 }
