@@ -38,8 +38,8 @@ use lmhead_core::config::TMA_STORE_BYTES;
 use lmhead_core::lse::Lse2;
 use lmhead_core::params::{GemmParams, LogitsParams};
 use pipeline::{tma_pipeline, tma_split, TmaRing, BK};
-pub(crate) use store::{AccBoxes, StoreBoxes};
 use store::BOX_BYTES;
+pub(crate) use store::{AccBoxes, StoreBoxes};
 pub(crate) use wgmma::{wgmma_k16, WgAcc};
 
 /// This thread's warp position: warp `w` holds rows `16w .. 16w + 16` of the block tile and
@@ -282,7 +282,8 @@ pub unsafe fn dh_tma_acc<const BM: usize, const BN: usize, const ST: usize, cons
     let w = unsafe { ml.start(&job, t) };
     // The host's `TileConfig::smem_bytes` reserves exactly these boxes for the block.
     const { assert!(WGM as u32 * 2 * BOX_BYTES == TMA_STORE_BYTES as u32) };
-    let mut out = AccBoxes::new(TmaRing::new::<BM, BN, ST>().store_boxes(), (p.tmaps as *const u8).wrapping_add(256), w.tid, p.accumulate != 0);
+    let mut out =
+        AccBoxes::new(TmaRing::new::<BM, BN, ST>().store_boxes(), (p.tmaps as *const u8).wrapping_add(256), w.tid, p.accumulate != 0);
     let row = t.m0 + 64 * (w.tid >> 7);
     let mut acc = Sm90::<BM, BN, ST, WGM, NW, false, true>::zero();
     let each = #[inline(always)]
