@@ -1,12 +1,14 @@
 //! The backward pass: `dh [t, d]` and `dW [v, d]` from the upstream gradients of log-prob and/or
 //! entropy, without the `t × v` matrix.
 //!
-//! The vocab is walked in chunks of width `S = min(v, chunk)` (default [`auto_chunk`]). Per
+//! The vocab is walked in chunks of width `S = min(v, chunk)` (default [`auto_chunk`]'s width
+//! spread evenly, [`balanced_chunk`]). Per
 //! chunk, three launches on one stream:
 //! 1. `dlogits`: recompute the `t × S` logits on the tensor cores and write bf16 d-logits into
 //!    the staging buffer `[t][S₈]` (`S₈` = S rounded up to 8; padding columns are zeros);
 //! 2. `dh (+)= dlogits · W_chunk` (f32 accumulator across chunks; the last chunk writes the
-//!    caller's `dh`, rounding to bf16 if asked);
+//!    caller's `dh`, rounding to bf16 if asked; a `tma_store` config adds every chunk into the
+//!    accumulator by TMA and a bf16 `dh` is cast once at the end);
 //! 3. `dW_chunk = dlogitsᵀ · h`, written straight into the caller's `dW` rows of the chunk.
 //!
 //! The staging buffer is sized for the actual chunk width (`t · S₈` bf16), lives in the
@@ -62,6 +64,18 @@ pub fn auto_chunk(t: usize, d: usize) -> usize {
     pow2.clamp(MIN_AUTO_CHUNK, MAX_AUTO_CHUNK)
 }
 
+/// The chunk width a backward over `v` columns uses when the caller gave none and
+/// [`auto_chunk`] says `width`: the `ceil(v / width)` chunks that width needs, made equal up to a
+/// multiple of 256 columns (the widest tile), never wider than `width`. A narrow last chunk runs
+/// its GEMMs as a short tail: at 131072 × 19008 × 5120, chunks of 8192, 8192 and 2624 columns
+/// took the training step 177 ms, three of 6400 160 ms (docs/PERFORMANCE.md).
+pub fn balanced_chunk(v: usize, width: usize) -> usize {
+    if v <= width {
+        return v;
+    }
+    v.div_ceil(v.div_ceil(width)).next_multiple_of(256).min(width)
+}
+
 /// Inputs of a backward call.
 pub struct BwdInputs<'a, L: LabelType> {
     pub h: &'a dyn DevicePtr<bf16>,
@@ -91,7 +105,7 @@ pub struct BwdOptions {
     pub temperature: f32,
     pub ignore_index: i64,
     /// Vocab chunk width (staging columns); `None` (the default): [`auto_chunk`] of the token
-    /// count and hidden size.
+    /// count and hidden size, spread evenly over the chunks it needs ([`balanced_chunk`]).
     pub chunk: Option<usize>,
     /// Config choices of the d-logits kernel and the two GEMMs.
     pub config: BwdConfigs,
@@ -237,11 +251,14 @@ impl LmHead {
     ) -> Result<BwdReport> {
         let p = x.p;
         let (h, w) = (x.x.h, x.x.w);
-        let chunk = opts.chunk.unwrap_or_else(|| auto_chunk(p.t, p.d)).min(p.v);
+        // The configs are tuned (and looked up) at the nominal width, the table's keys; the
+        // automatic width is then spread evenly over the chunks it needs.
+        let nominal = opts.chunk.unwrap_or_else(|| auto_chunk(p.t, p.d)).min(p.v);
+        let chunk = if opts.chunk.is_none() { balanced_chunk(p.v, nominal) } else { nominal };
         let stride = stride_of(chunk);
         let chunks = p.v.div_ceil(chunk);
         let tp = x.x.sc.v_begin != 0 || reduce_dh.is_some();
-        let (cfg_dl, cfg_dh, cfg_dw) = self.bwd_configs(stream, opts.config, chunk, tp, x, dw.is_some())?;
+        let (cfg_dl, cfg_dh, cfg_dw) = self.bwd_configs(stream, opts.config, nominal, tp, x, dw.is_some())?;
         let mut guard = self.call_ws();
         {
             let ws = &mut *guard;
@@ -489,6 +506,23 @@ mod tests {
             assert_eq!(auto_chunk(8192, d), MIN_AUTO_CHUNK, "d {d}");
         }
         assert_eq!(auto_chunk(8192, 2048), 32768);
+    }
+
+    #[test]
+    fn balanced_chunks_are_as_many_and_nearly_equal() {
+        assert_eq!(balanced_chunk(19008, 8192), 6400, "8192 + 8192 + 2624 → 6400 + 6400 + 6208");
+        assert_eq!(balanced_chunk(38016, 8192), 7680);
+        assert_eq!(balanced_chunk(4 * 8192, 8192), 8192);
+        assert_eq!(balanced_chunk(5000, 8192), 5000);
+        for width in [8192, 16384, 32768] {
+            for v in (1..400_000).step_by(997) {
+                let c = balanced_chunk(v, width);
+                assert!(c <= width && c <= v, "v {v} width {width}: {c}");
+                assert_eq!(v.div_ceil(c), v.div_ceil(width), "v {v} width {width}: {c}");
+                let last = v - (v.div_ceil(c) - 1) * c;
+                assert!(v <= width || last + 256 * v.div_ceil(c) > c, "v {v} width {width}: last {last} of {c}");
+            }
+        }
         assert_eq!(auto_chunk(8192, 8192), 32768);
     }
 }

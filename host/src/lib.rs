@@ -61,7 +61,9 @@ pub use lmhead_core::config::{Mainloop, Store};
 pub use lmhead_core::{Family, Problem, TileConfig, TokenBucket};
 
 pub use borrowed::{borrowed_stream, Borrowed};
-pub use bwd::{auto_chunk, BwdConfigs, BwdInputs, BwdOptions, BwdReport, GradOut, MAX_AUTO_CHUNK, MIN_AUTO_CHUNK, STAGING_BUDGET_BYTES};
+pub use bwd::{
+    auto_chunk, balanced_chunk, BwdConfigs, BwdInputs, BwdOptions, BwdReport, GradOut, MAX_AUTO_CHUNK, MIN_AUTO_CHUNK, STAGING_BUDGET_BYTES,
+};
 pub use fwd::{FwdInputs, FwdOptions, FwdOutputs, FwdReport};
 pub use tp::{Communicator, LocalComm, ReduceDh, Shard, TpBackward};
 pub use tune::{Choice, Tuner};
