@@ -320,8 +320,7 @@ fn tile_boundaries_every_config() {
         c.chunk = Some(2 * bk + 3);
         c.config.dh = Choice::Fixed(cfg);
         // dW at the same tile (a dh-only `tma_store` config: its register twin).
-        let twin = lmhead::TileConfig { mainloop: lmhead::Mainloop::Sm90 { store: lmhead::Store::Registers }, ..cfg };
-        c.config.dw = Choice::Fixed(if Family::BwdDw.candidates().contains(&cfg) { cfg } else { twin });
+        c.config.dw = Choice::Fixed(cfg.register_twin());
         c.dh_f32 = bm % 128 == 0;
         cases.push(c);
     }

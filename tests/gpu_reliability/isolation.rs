@@ -62,9 +62,7 @@ fn sanitizer_every_kernel_at_tail_shapes() {
     }
     for &c in Family::BwdDh.candidates() {
         // dW at the same tile (for a dh-only `tma_store` config, its register twin).
-        let twin = lmhead::TileConfig { mainloop: lmhead::Mainloop::Sm90 { store: lmhead::Store::Registers }, ..c };
-        let dw = if Family::BwdDw.candidates().contains(&c) { c } else { twin };
-        let cfg = BwdConfigs { dh: Choice::Fixed(c), dw: Choice::Fixed(dw), ..BwdConfigs::all(Choice::Fallback) };
+        let cfg = BwdConfigs { dh: Choice::Fixed(c), dw: Choice::Fixed(c.register_twin()), ..BwdConfigs::all(Choice::Fallback) };
         bwd(cfg, c.bm as usize + 1, 4 * c.bk as usize + 6, c.bn as usize + 8, 2 * c.bk as usize + 3, c.bm % 128 == 0);
         if c.mainloop.tma_store() {
             // Four chunks into bf16: the TMA store, two TMA adds, then the register epilogue.

@@ -263,6 +263,16 @@ impl TileConfig {
         }
     }
 
+    /// The same tile with the register epilogue: a `tma_store` config's twin (itself for any
+    /// other config). The host runs a `tma_store` `dh` on its twin where the TMA accumulator
+    /// does not apply.
+    pub const fn register_twin(self) -> TileConfig {
+        match self.mainloop {
+            Mainloop::Sm90 { store: Store::Tma } => TileConfig { mainloop: Mainloop::Sm90 { store: Store::Registers }, ..self },
+            _ => self,
+        }
+    }
+
     /// Whether the const generics satisfy every structural rule of the device mainloop. The
     /// device asserts the same rules at compile time; this lets the host and the tests check the
     /// tables without building PTX.
@@ -417,8 +427,8 @@ mod tests {
         // A `tma_store` dh config falls back to its register twin (same tile, same candidates
         // list) when the accumulator is not 16-byte aligned (`host/src/launch/tiles.rs`).
         for &c in Family::BwdDh.candidates().iter().filter(|c| c.mainloop.tma_store()) {
-            let twin = TileConfig { mainloop: Mainloop::Sm90 { store: Store::Registers }, ..c };
-            assert!(Family::BwdDh.candidates().contains(&twin), "{c:?}");
+            assert!(Family::BwdDh.candidates().contains(&c.register_twin()), "{c:?}");
+            assert!(Family::BwdDw.candidates().contains(&c.register_twin()), "{c:?}");
         }
     }
 

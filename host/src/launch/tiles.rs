@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
-use lmhead_core::config::{kernel_name, Family, Mainloop, Store, TileConfig};
+use lmhead_core::config::{kernel_name, Family, TileConfig};
 use lmhead_core::params::{GemmParams, LogitsParams};
 
 use super::tmap::{tma_maps_for, TmaOperand};
@@ -303,7 +303,7 @@ fn launch_gemm(
         if mode.write_acc && out.is_none() && p.c_acc.is_multiple_of(16) {
             acc_map = Some(TmaOperand::f32_acc(p.c_acc, m, n, n));
         } else {
-            cfg = TileConfig { mainloop: Mainloop::Sm90 { store: Store::Registers }, ..cfg };
+            cfg = cfg.register_twin();
         }
     }
     let ops: Vec<TmaOperand> = maps.into_iter().chain(acc_map).collect();
