@@ -506,6 +506,7 @@ mod tests {
             assert_eq!(auto_chunk(8192, d), MIN_AUTO_CHUNK, "d {d}");
         }
         assert_eq!(auto_chunk(8192, 2048), 32768);
+        assert_eq!(auto_chunk(8192, 8192), 32768);
     }
 
     #[test]
@@ -523,6 +524,5 @@ mod tests {
                 assert!(v <= width || last + 256 * v.div_ceil(c) > c, "v {v} width {width}: last {last} of {c}");
             }
         }
-        assert_eq!(auto_chunk(8192, 8192), 32768);
     }
 }
