@@ -295,8 +295,8 @@ fn launch_gemm(
     // A `tma_store` dh writes a sum that goes to the accumulator alone through a third map over
     // it (stored or added by TMA). Any other sum (the last chunk's, with the output), and one
     // into an accumulator only 8-byte aligned (a caller's f32 view; a tensor map needs 16),
-    // takes the config's register twin (the same epilogue, measured up to 10% faster there than
-    // the `tma_store` kernel's register path: `lmhead-bench dh-probe`).
+    // takes the config's register twin (the same tile; the `tma_store` kernel serves only the
+    // accumulator-alone case and traps on any other).
     let mut cfg = cfg;
     let mut acc_map = None;
     if cfg.mainloop.tma_store() {
