@@ -179,7 +179,9 @@ pub const LOGITS_CANDIDATES: &[TileConfig] = &[
 ];
 
 /// Candidates of the backward GEMMs (the sm90 ones read their operands in place).
-pub const GEMM_CANDIDATES: &[TileConfig] = &[
+pub const GEMM_CANDIDATES: &[TileConfig] = &GEMM_LIST;
+
+const GEMM_LIST: [TileConfig; 9] = [
     tc(128, 128, 32, 4, 2, 4),
     tc(128, 256, 32, 3, 2, 4),
     tc(256, 128, 32, 3, 4, 2),
@@ -191,22 +193,33 @@ pub const GEMM_CANDIDATES: &[TileConfig] = &[
     tw(256, 3),
 ];
 
-/// Candidates of the backward `dh` GEMM: the GEMMs', and the sm90 ones again with the f32
-/// accumulator written through shared memory by TMA (stored, or added in place).
-pub const DH_CANDIDATES: &[TileConfig] = &[
-    tc(128, 128, 32, 4, 2, 4),
-    tc(128, 256, 32, 3, 2, 4),
-    tc(256, 128, 32, 3, 4, 2),
-    tc(128, 128, 64, 3, 2, 4),
-    tc(64, 128, 32, 4, 2, 2),
-    tc(64, 64, 64, 4, 2, 2),
-    tw(256, 4),
-    tw(128, 6),
-    tw(256, 3),
-    ts(256, 4),
-    ts(128, 6),
-    ts(256, 3),
-];
+/// Candidates of the backward `dh` GEMM: the GEMMs', then each sm90 one again with the f32
+/// accumulator written through shared memory by TMA (stored, or added in place), in the same
+/// order.
+pub const DH_CANDIDATES: &[TileConfig] = &DH_LIST;
+
+const DH_LIST: [TileConfig; 12] = with_tma_twins(GEMM_LIST);
+
+/// `base`, then the `Store::Tma` twin of each of its sm90 configs; `M` must be `N` plus their
+/// count (checked at compile time).
+const fn with_tma_twins<const N: usize, const M: usize>(base: [TileConfig; N]) -> [TileConfig; M] {
+    let mut out = [base[0]; M];
+    let mut i = 0;
+    while i < N {
+        out[i] = base[i];
+        i += 1;
+    }
+    let (mut j, mut k) = (0, N);
+    while j < N {
+        if base[j].mainloop.is_sm90() {
+            out[k] = TileConfig { mainloop: Mainloop::Sm90 { store: Store::Tma }, ..base[j] };
+            k += 1;
+        }
+        j += 1;
+    }
+    assert!(k == M, "M must be N plus the sm90 configs of base");
+    out
+}
 
 /// The shared memory an H200 block may use at most (227 KiB).
 pub const MAX_SMEM_PER_BLOCK: usize = 227 * 1024;
@@ -410,6 +423,8 @@ mod tests {
         assert_eq!(kernel_name(Family::BwdDw, tw(256, 4)), "lm_head_bwd_dw_m128_n256_k64_s4_w8x1_tma_mn");
         assert_eq!(kernel_name(Family::BwdDlogitsEnt, ts(256, 4)), "lm_head_bwd_dlogits_ent_t128_v256_d64_s4_w8x1_tma_st");
         assert_eq!(kernel_name(Family::BwdDh, ts(256, 4)), "lm_head_bwd_dh_m128_n256_k64_s4_w8x1_tma_mn_st");
+        assert_eq!(&DH_CANDIDATES[..9], GEMM_CANDIDATES);
+        assert_eq!(&DH_CANDIDATES[9..], &[ts(256, 4), ts(128, 6), ts(256, 3)]);
     }
 
     #[test]
