@@ -2,7 +2,8 @@
 //! the same run. Prints a markdown table, appends JSON lines to a results file.
 //!
 //! ```text
-//! lmhead-bench [quick|sweep|probe|entropy|tp|tune-table] [--filter SUBSTR] [--budget-s N]
+//! lmhead-bench [quick|sweep|probe|entropy|tp|tune-table|dh-probe|config-probe]
+//!              [--filter SUBSTR] [--budget-s N]
 //!              [--reps N] [--out results.jsonl] [--fallback | --fixed | --versus-fixed]
 //!              [--no-check] [--skip N]
 //!              [--bwd-chunk N] [--check-labels] [--resume FILE]
@@ -17,6 +18,9 @@
 //! `tune-table` tunes exhaustively (whatever `LMHEAD_TUNE` says) at every sweep shape not in
 //! the `--resume` files and records every candidate (see `table.rs`).
 //!
+//! `dh-probe --filter T,K,D` times one `dh` chunk per epilogue (`dh_probe.rs`); `config-probe
+//! --filter T,V,D` each sm90 forward and `dh` candidate in the steady state (`config_probe.rs`).
+//!
 //! `--check-labels` times the forwards with `FwdOptions::check_labels` on (the label check
 //! kernel and its synchronous 8-byte read before each forward); by default it is off, so the
 //! forward's times are the kernels' alone.
@@ -30,6 +34,7 @@
 //! reference, so a fast wrong kernel cannot win. FLOPs: one logits GEMM is `2·t·v·d`;
 //! forward+backward does four (logits, recompute, dh, dW).
 
+mod config_probe;
 mod cublas;
 mod dh_probe;
 mod suites;
@@ -404,7 +409,7 @@ fn main() {
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp|tune-table|dh-probe] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback | --fixed | --versus-fixed] [--no-check] [--skip N] [--bwd-chunk N] [--check-labels] [--resume FILE]");
+            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp|tune-table|dh-probe|config-probe] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback | --fixed | --versus-fixed] [--no-check] [--skip N] [--bwd-chunk N] [--check-labels] [--resume FILE]");
             std::process::exit(2);
         }
     };
@@ -450,6 +455,13 @@ fn main() {
     }
     if args.suite == "tune-table" {
         table::run(&head, &args, &info.name, &commit());
+        return;
+    }
+    if args.suite == "config-probe" {
+        if let Err(e) = config_probe::run(&head, &stream, &args) {
+            eprintln!("lmhead-bench config-probe: {e}");
+            std::process::exit(1);
+        }
         return;
     }
     if args.suite == "dh-probe" {

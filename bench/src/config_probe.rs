@@ -1,0 +1,95 @@
+//! `lmhead-bench config-probe --filter T,V,D`: each sm90 forward candidate (log-prob, and with
+//! entropy), then the backward with each sm90 `dh` candidate (the d-logits and `dW` tuned), and
+//! the tuned backward, on one shape, beside a cuBLAS GEMM of the same shape. The variants take
+//! turns within each round (in a rotating order), so all see the same clock: what a config costs
+//! in the steady state, without editing a tuning cache.
+
+use std::sync::Arc;
+
+use lmhead::cudarc::driver::{CudaSlice, CudaStream};
+use lmhead::tune::bench::median;
+use lmhead::{bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, Family, FwdInputs, FwdOptions, FwdOutputs, GradOut, LmHead, Problem};
+
+use crate::{random_bf16, sample, Args};
+
+pub fn run(head: &LmHead, stream: &Arc<CudaStream>, args: &Args) -> lmhead::Result<()> {
+    let dims: Vec<usize> = args.filter.as_deref().unwrap_or("16384,131072,4096").split(',').filter_map(|x| x.trim().parse().ok()).collect();
+    let [t, v, d] = dims[..] else { return Err(lmhead::Error::Invalid("config-probe: --filter T,V,D".into())) };
+    let reps = args.reps.max(3);
+    let up = |x: &[u16]| lmhead::testing::upload_bf16(stream, x);
+    let (h, w) = (up(&random_bf16(t * d, 1.0, 11))?, up(&random_bf16(v * d, 0.02, 12))?);
+    let labels: Vec<i64> = (0..t).map(|i| ((i as u64).wrapping_mul(2_654_435_761) % v as u64) as i64).collect();
+    let labels = stream.clone_htod(&labels).map_err(|_| lmhead::Error::OutOfMemory { what: "labels", bytes: 8 * t })?;
+    let z = |n: usize| -> lmhead::Result<CudaSlice<f32>> {
+        stream.alloc_zeros(n).map_err(|_| lmhead::Error::OutOfMemory { what: "config-probe", bytes: 4 * n })
+    };
+    let (mut lp, mut lse, mut ent) = (z(t)?, z(t)?, z(t)?);
+    let (gl, ge) = (stream.clone_htod(&vec![1.0f32; t]).unwrap(), stream.clone_htod(&vec![0.5f32; t]).unwrap());
+    let mut dh: CudaSlice<bf16> = stream.alloc_zeros(t * d).map_err(|_| lmhead::Error::OutOfMemory { what: "dh", bytes: 2 * t * d })?;
+    let mut dw: CudaSlice<bf16> = stream.alloc_zeros(v * d).map_err(|_| lmhead::Error::OutOfMemory { what: "dW", bytes: 2 * v * d })?;
+    let problem = Problem::new(t, v, d);
+    let x = FwdInputs { h: &h, w: &w, labels: &labels, problem };
+    let mut gemm = crate::cublas::Gemm::new(stream.clone(), t, v, d)?;
+
+    // The variants: (label, forward family, forward choice, backward choices).
+    let sm90 = |f: Family| f.candidates().iter().copied().filter(|c| c.is_sm90()).collect::<Vec<_>>();
+    let mut fwd: Vec<(String, Family, lmhead::TileConfig)> = Vec::new();
+    for f in [Family::Fwd, Family::FwdEnt] {
+        fwd.extend(sm90(f).into_iter().map(|c| (format!("{}_{}", f.stem(), c.suffix(f)), f, c)));
+    }
+    let mut bwd: Vec<(String, BwdConfigs)> = Vec::new();
+    for c in sm90(Family::BwdDh) {
+        let label = format!("bwd dh {}", c.suffix(Family::BwdDh));
+        bwd.push((label, BwdConfigs { dh: Choice::Fixed(c), ..BwdConfigs::all(Choice::Auto) }));
+    }
+    bwd.push(("bwd tuned".into(), BwdConfigs::all(Choice::Auto)));
+
+    // The forward with entropy once (tuned), for the backward's saved lse and entropy.
+    let fo = FwdOptions { check_labels: false, ..Default::default() };
+    head.forward(stream, &x, &fo, FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) })?;
+    let (lse_s, ent_s) = (lse.clone(), ent.clone());
+
+    let n = 1 + fwd.len() + bwd.len();
+    let mut ts: Vec<Vec<f64>> = vec![Vec::new(); n];
+    // Each round starts one variant later, so that no variant always follows the same one (a
+    // slow kernel leaves the board cooler, and the next one clocks higher).
+    for round in 0..reps + 2 {
+        for j in 0..n {
+            let i = (j + round) % n;
+            let ms = if i == 0 {
+                sample(stream, &mut || gemm.run(&h, &w))?
+            } else if let Some((_, f, c)) = fwd.get(i - 1) {
+                let o = FwdOptions { config: Choice::Fixed(*c), ..fo };
+                let mut e = (*f == Family::FwdEnt).then_some(&mut ent);
+                sample(stream, &mut || {
+                    let out = FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: e.as_deref_mut().map(|e| e as _) };
+                    head.forward(stream, &x, &o, out).map(|_| ())
+                })?
+            } else {
+                let bx = BwdInputs {
+                    h: &h,
+                    w: &w,
+                    labels: &labels,
+                    lse: &lse_s,
+                    entropy: Some(&ent_s),
+                    grad_logprob: Some(&gl),
+                    grad_entropy: Some(&ge),
+                    problem,
+                };
+                let bo = BwdOptions { config: bwd[i - 1 - fwd.len()].1, ..Default::default() };
+                sample(stream, &mut || head.backward(stream, &bx, &bo, GradOut::Bf16(&mut dh), Some(GradOut::Bf16(&mut dw))).map(|_| ()))?
+            };
+            if round >= 2 {
+                ts[i].push(ms);
+            }
+        }
+    }
+    let med: Vec<f64> = ts.iter_mut().map(|x| median(x)).collect();
+    let g = med[0];
+    println!("# config-probe t={t} v={v} d={d} rounds={reps}: cuBLAS {g:.3} ms");
+    let labels = fwd.iter().map(|f| f.0.clone()).chain(bwd.iter().map(|b| b.0.clone()));
+    for (label, ms) in labels.zip(&med[1..]) {
+        println!("{label:<72} {ms:9.3} ms {:7.3}x", ms / g);
+    }
+    Ok(())
+}
