@@ -328,7 +328,9 @@ mod table_mode {
             })
             .unwrap();
         assert!(!short.contains(&w) && w.is_sm90(), "{w:?}");
-        assert_eq!(tried.len(), Family::Fwd.candidates().len(), "every candidate tried once the shortlist failed");
+        // (Configs within the confirmation margin of the best are timed again: count each once.)
+        let distinct: std::collections::BTreeSet<_> = tried.iter().collect();
+        assert_eq!(distinct.len(), Family::Fwd.candidates().len(), "every candidate tried once the shortlist failed");
     }
 
     #[test]
