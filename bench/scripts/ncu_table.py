@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Per-kernel account of `lmhead-bench sweep` cases profiled by ncu (docs/PERFORMANCE.md, *How to
+reproduce*: the per-shape command, one `== <case>` line before each case's output).
+
+    python3 bench/scripts/ncu_table.py ncu.txt [sweep.jsonl ...] > table.md
+
+For each case: the cuBLAS GEMM (`nvjet`), the forward, the forward with entropy, and one full
+vocab chunk of the d-logits, `dh` and `dW` (the profiled group of each kernel with the most
+invocations, then the largest grid). Columns: time (ms, under ncu, clocks not controlled), time
+per FLOP against the GEMM's (a chunk kernel does `chunk / v` of the GEMM's FLOP), the account
+`(GEMM clock / clock) · (GEMM tensor pipe / tensor pipe) · (GEMM SMs active / SMs active)`, SM
+clock, SMs active, tensor pipe busy over active cycles, L2 throughput (hit rate), DRAM throughput,
+and the factors more than a point (or 30 MHz) below cuBLAS's (DRAM when at least 35% and twice
+cuBLAS's). Then per kernel the median and range over the cases, and per case the sum of the
+training step's kernels per FLOP (forward with entropy, d-logits, `dh`, `dW`) beside the step's
+ratio in the steady state (`fwd_bwd / gemm` of the sweep records given, by shape).
+"""
+import json
+import re
+import sys
+
+KINDS = [
+    ("cuBLAS", lambda n: n.startswith("nvjet")),
+    ("fwd", lambda n: n.startswith("lm_head_fwd_t")),
+    ("fwd+ent", lambda n: n.startswith("lm_head_fwd_ent_t")),
+    ("d-logits", lambda n: n.startswith("lm_head_bwd_dlogits")),
+    ("dh", lambda n: n.startswith("lm_head_bwd_dh")),
+    ("dW", lambda n: n.startswith("lm_head_bwd_dw")),
+]
+METRICS = {
+    "gpu__time_duration.sum": "ms",
+    "sm__cycles_elapsed.avg.per_second": "clk",
+    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active": "tensor",
+    "sm__cycles_active.avg.pct_of_peak_sustained_elapsed": "active",
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed": "l2",
+    "lts__t_sector_hit_rate.pct": "hit",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram",
+}
+GROUP = re.compile(r"^  (\S+) \((\d+), (\d+), 1\)x\(\d+, 1, 1\).*Invocations (\d+)")
+
+
+def cases(text):
+    for block in re.split(r"^== ", text, flags=re.M)[1:]:
+        name, _, body = block.partition("\n")
+        row = re.search(r"^\| " + re.escape(name.strip()) + r" \| (\d+) \| (\d+) \| (\d+) \|(.*)\|$", body, re.M)
+        groups, cur = [], None
+        for line in body.splitlines():
+            m = GROUP.match(line)
+            if m:
+                cur = {"name": m[1], "grid": int(m[2]) * int(m[3]), "inv": int(m[4])}
+                groups.append(cur)
+                continue
+            f = line.split()
+            if cur is not None and len(f) >= 5 and f[0] in METRICS:
+                cur[METRICS[f[0]]] = float(f[-1].replace(",", ""))
+        if row and groups:
+            t, v, d = int(row[1]), int(row[2]), int(row[3])
+            ch = re.search(r"chunk (\d+)", row[4])
+            yield name.strip(), (t, v, d, int(ch[1]) if ch else v), groups
+
+
+def pick(groups, test):
+    g = [x for x in groups if test(x["name"]) and "ms" in x]
+    return max(g, key=lambda x: (x["inv"], x["grid"])) if g else None
+
+
+def table(text):
+    out = [
+        "| shape (t × v × d), chunk | kernel | ms | × GEMM per FLOP | account | SM clock | SMs active | tensor pipe | L2 (hit) | DRAM | limit |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    summary, sums = [], []
+    for case, (t, v, d, chunk), groups in cases(text):
+        k = {kind: pick(groups, test) for kind, test in KINDS}
+        g = k["cuBLAS"]
+        if g is None:
+            continue
+        first = True
+        step = 0.0
+        for kind, _ in KINDS:
+            x = k[kind]
+            if x is None:
+                continue
+            share = 1.0 if kind in ("cuBLAS", "fwd", "fwd+ent") else chunk / v
+            per_flop = x["ms"] / (g["ms"] * share)
+            acct = (g["clk"] / x["clk"]) * (g["tensor"] / x["tensor"]) * (g["active"] / x["active"])
+            lim = []
+            if kind != "cuBLAS":
+                if g["clk"] - x["clk"] >= 0.03:
+                    lim.append(f"clock −{round(100 * (1 - x['clk'] / g['clk']))}%")
+                if g["active"] - x["active"] > 1:
+                    lim.append(f"idle SMs −{g['active'] - x['active']:.1f}%")
+                if g["tensor"] - x["tensor"] > 1:
+                    lim.append(f"tensor −{round(g['tensor'] - x['tensor'])}%")
+                if x["dram"] >= 35 and x["dram"] >= 2 * g["dram"]:
+                    lim.append("DRAM")
+                summary.append((kind, per_flop, lim))
+                step += per_flop if kind != "fwd" else 0.0
+            shape = f"{t} × {v} × {d}, {chunk}" if first else ""
+            first = False
+            out.append(
+                f"| {shape} | {kind} | {x['ms']:.2f} | {per_flop:.2f} | {acct:.2f} | {x['clk']:.2f} | {x['active']:.1f}% "
+                f"| {x['tensor']:.1f}% | {x['l2']:.0f}% ({x['hit']:.0f}%) | {x['dram']:.0f}% | {', '.join(lim)} |"
+            )
+        sums.append(((t, v, d, chunk), step))
+    return out, summary, sums
+
+
+def main():
+    text = open(sys.argv[1]).read()
+    rows, summary, sums = table(text)
+    bench = {}
+    for f in sys.argv[2:]:
+        for line in open(f):
+            if line.strip():
+                r = json.loads(line)["row"]
+                c = r["case"]
+                bench[(c["t"], c["v"], c["d"])] = r["fwd_bwd"]["p50"] / r["gemm"]["p50"]
+    print("\n".join(rows))
+    print()
+    print("| kernel | shapes | median × GEMM per FLOP | range | clock low | SMs idle | tensor low | DRAM |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for kind, _ in KINDS[1:]:
+        s = [x for x in summary if x[0] == kind]
+        if not s:
+            continue
+        r = sorted(x[1] for x in s)
+        med = r[len(r) // 2] if len(r) % 2 else (r[len(r) // 2 - 1] + r[len(r) // 2]) / 2
+        cnt = lambda p: sum(any(l.startswith(p) for l in x[2]) for x in s)
+        print(f"| {kind} | {len(s)} | {med:.2f} | {r[0]:.2f}–{r[-1]:.2f} | {cnt('clock')} | {cnt('idle')} | {cnt('tensor')} | {cnt('DRAM')} |")
+    if bench:
+        print()
+        print("| shape (t × v × d), chunk | Σ step kernels per FLOP (ncu) | step in the bench | rest |")
+        print("|---|---:|---:|---:|")
+        for (t, v, d, chunk), step in sums:
+            b = bench.get((t, v, d))
+            if b is not None:
+                print(f"| {t} × {v} × {d}, {chunk} | {step:.2f} | {b:.2f} | {b - step:+.2f} |")
+
+
+if __name__ == "__main__":
+    main()
