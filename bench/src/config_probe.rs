@@ -2,7 +2,8 @@
 //! entropy), then the backward with each sm90 `dh` candidate (the d-logits and `dW` tuned), and
 //! the tuned backward, on one shape, beside a cuBLAS GEMM of the same shape. The variants take
 //! turns within each round (in a rotating order), so all see the same clock: what a config costs
-//! in the steady state, without editing a tuning cache.
+//! in the steady state, without editing a tuning cache. Unless `--no-check`, each forward
+//! variant's log-probs are then checked against the f64 reference on sampled rows.
 
 use std::sync::Arc;
 
@@ -17,21 +18,22 @@ pub fn run(head: &LmHead, stream: &Arc<CudaStream>, args: &Args) -> lmhead::Resu
     let [t, v, d] = dims[..] else { return Err(lmhead::Error::Invalid("config-probe: --filter T,V,D".into())) };
     let reps = args.reps.max(3);
     let up = |x: &[u16]| lmhead::testing::upload_bf16(stream, x);
-    let (h, w) = (up(&random_bf16(t * d, 1.0, 11))?, up(&random_bf16(v * d, 0.02, 12))?);
-    let labels: Vec<i64> = (0..t).map(|i| ((i as u64).wrapping_mul(2_654_435_761) % v as u64) as i64).collect();
-    let labels = stream.clone_htod(&labels).map_err(|_| lmhead::Error::OutOfMemory { what: "labels", bytes: 8 * t })?;
+    let (hs, ws) = (random_bf16(t * d, 1.0, 11), random_bf16(v * d, 0.02, 12));
+    let (h, w) = (up(&hs)?, up(&ws)?);
+    let label_host: Vec<i64> = (0..t).map(|i| ((i as u64).wrapping_mul(2_654_435_761) % v as u64) as i64).collect();
+    let labels = lmhead::testing::upload(stream, &label_host)?;
     let z = |n: usize| -> lmhead::Result<CudaSlice<f32>> {
         stream.alloc_zeros(n).map_err(|_| lmhead::Error::OutOfMemory { what: "config-probe", bytes: 4 * n })
     };
     let (mut lp, mut lse, mut ent) = (z(t)?, z(t)?, z(t)?);
-    let (gl, ge) = (stream.clone_htod(&vec![1.0f32; t]).unwrap(), stream.clone_htod(&vec![0.5f32; t]).unwrap());
+    let (gl, ge) = (lmhead::testing::upload(stream, &vec![1.0f32; t])?, lmhead::testing::upload(stream, &vec![0.5f32; t])?);
     let mut dh: CudaSlice<bf16> = stream.alloc_zeros(t * d).map_err(|_| lmhead::Error::OutOfMemory { what: "dh", bytes: 2 * t * d })?;
     let mut dw: CudaSlice<bf16> = stream.alloc_zeros(v * d).map_err(|_| lmhead::Error::OutOfMemory { what: "dW", bytes: 2 * v * d })?;
     let problem = Problem::new(t, v, d);
     let x = FwdInputs { h: &h, w: &w, labels: &labels, problem };
     let mut gemm = crate::cublas::Gemm::new(stream.clone(), t, v, d)?;
 
-    // The variants: (label, forward family, forward choice, backward choices).
+    // The variants: each forward (label, family, config), then each backward (label, choices).
     let sm90 = |f: Family| f.candidates().iter().copied().filter(|c| c.is_sm90()).collect::<Vec<_>>();
     let mut fwd: Vec<(String, Family, lmhead::TileConfig)> = Vec::new();
     for f in [Family::Fwd, Family::FwdEnt] {
@@ -90,6 +92,17 @@ pub fn run(head: &LmHead, stream: &Arc<CudaStream>, args: &Args) -> lmhead::Resu
     let labels = fwd.iter().map(|f| f.0.clone()).chain(bwd.iter().map(|b| b.0.clone()));
     for (label, ms) in labels.zip(&med[1..]) {
         println!("{label:<72} {ms:9.3} ms {:7.3}x", ms / g);
+    }
+    if args.check {
+        let mut worst = 0.0f64;
+        for (label, f, c) in &fwd {
+            let o = FwdOptions { config: Choice::Fixed(*c), ..fo };
+            let e = (*f == Family::FwdEnt).then_some(&mut ent);
+            head.forward(stream, &x, &o, FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: e.map(|e| e as _) })?;
+            let got = lmhead::testing::download_f32(stream, &lp)?;
+            worst = worst.max(crate::check_sampled_logprobs(label, (&hs, &ws, &label_host), (t, v, d), &[&got])?);
+        }
+        println!("# every forward variant checked against the f64 reference (rows 0, t/3, t - 1): max |Δ log-prob| {worst:.1e}");
     }
     Ok(())
 }
