@@ -1,6 +1,8 @@
 //! `lmhead-bench config-probe --filter T,V,D`: each sm90 forward candidate (log-prob, and with
 //! entropy), then the backward with each sm90 `dh` candidate (the d-logits and `dW` tuned), and
-//! the tuned backward, on one shape, beside a cuBLAS GEMM of the same shape. The variants take
+//! the tuned backward, on one shape, beside a cuBLAS GEMM of the same shape and four of them back
+//! to back (the training step's FLOP as one sustained load: what the GEMM baseline itself loses
+//! to the clock when it runs as long as the step). The variants take
 //! turns within each round (in a rotating order), so all see the same clock: what a config costs
 //! in the steady state, without editing a tuning cache. Unless `--no-check`, each forward
 //! variant's log-probs are then checked against the f64 reference on sampled rows.
@@ -51,7 +53,8 @@ pub fn run(head: &LmHead, stream: &Arc<CudaStream>, args: &Args) -> lmhead::Resu
     head.forward(stream, &x, &fo, FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) })?;
     let (lse_s, ent_s) = (lse.clone(), ent.clone());
 
-    let n = 1 + fwd.len() + bwd.len();
+    // Variant 0: one GEMM; then the forwards, the backwards; last, four GEMMs back to back.
+    let n = 2 + fwd.len() + bwd.len();
     let mut ts: Vec<Vec<f64>> = vec![Vec::new(); n];
     // Each round starts one variant later, so that no variant always follows the same one (a
     // slow kernel leaves the board cooler, and the next one clocks higher).
@@ -60,6 +63,8 @@ pub fn run(head: &LmHead, stream: &Arc<CudaStream>, args: &Args) -> lmhead::Resu
             let i = (j + round) % n;
             let ms = if i == 0 {
                 sample(stream, &mut || gemm.run(&h, &w))?
+            } else if i == n - 1 {
+                sample(stream, &mut || (0..4).try_for_each(|_| gemm.run(&h, &w)))?
             } else if let Some((_, f, c)) = fwd.get(i - 1) {
                 let o = FwdOptions { config: Choice::Fixed(*c), ..fo };
                 let mut e = (*f == Family::FwdEnt).then_some(&mut ent);
@@ -89,7 +94,7 @@ pub fn run(head: &LmHead, stream: &Arc<CudaStream>, args: &Args) -> lmhead::Resu
     let med: Vec<f64> = ts.iter_mut().map(|x| median(x)).collect();
     let g = med[0];
     println!("# config-probe t={t} v={v} d={d} rounds={reps}: cuBLAS {g:.3} ms");
-    let labels = fwd.iter().map(|f| f.0.clone()).chain(bwd.iter().map(|b| b.0.clone()));
+    let labels = fwd.iter().map(|f| f.0.clone()).chain(bwd.iter().map(|b| b.0.clone())).chain(["cuBLAS x4 back to back".into()]);
     for (label, ms) in labels.zip(&med[1..]) {
         println!("{label:<72} {ms:9.3} ms {:7.3}x", ms / g);
     }
