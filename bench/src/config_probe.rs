@@ -65,13 +65,8 @@ pub fn run(head: &LmHead, stream: &Arc<CudaStream>, args: &Args) -> lmhead::Resu
                 sample(stream, &mut || gemm.run(&h, &w))?
             } else if i == n - 1 {
                 sample(stream, &mut || (0..4).try_for_each(|_| gemm.run(&h, &w)))?
-            } else if let Some((_, f, c)) = fwd.get(i - 1) {
-                let o = FwdOptions { config: Choice::Fixed(*c), ..fo };
-                let mut e = (*f == Family::FwdEnt).then_some(&mut ent);
-                sample(stream, &mut || {
-                    let out = FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: e.as_deref_mut().map(|e| e as _) };
-                    head.forward(stream, &x, &o, out).map(|_| ())
-                })?
+            } else if let Some(&(_, f, c)) = fwd.get(i - 1) {
+                sample(stream, &mut || forward(head, stream, &x, (f, c), &mut lp, &mut lse, &mut ent))?
             } else {
                 let bx = BwdInputs {
                     h: &h,
@@ -101,13 +96,26 @@ pub fn run(head: &LmHead, stream: &Arc<CudaStream>, args: &Args) -> lmhead::Resu
     if args.check {
         let mut worst = 0.0f64;
         for (label, f, c) in &fwd {
-            let o = FwdOptions { config: Choice::Fixed(*c), ..fo };
-            let e = (*f == Family::FwdEnt).then_some(&mut ent);
-            head.forward(stream, &x, &o, FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: e.map(|e| e as _) })?;
+            forward(head, stream, &x, (*f, *c), &mut lp, &mut lse, &mut ent)?;
             let got = lmhead::testing::download_f32(stream, &lp)?;
             worst = worst.max(crate::check_sampled_logprobs(label, (&hs, &ws, &label_host), (t, v, d), &[&got])?);
         }
         println!("# every forward variant checked against the f64 reference (rows 0, t/3, t - 1): max |Δ log-prob| {worst:.1e}");
     }
     Ok(())
+}
+
+/// One forward of `family` (log-prob, or with entropy) at `cfg`, the labels unchecked.
+fn forward(
+    head: &LmHead,
+    stream: &Arc<CudaStream>,
+    x: &FwdInputs<'_, i64>,
+    (family, cfg): (Family, lmhead::TileConfig),
+    lp: &mut CudaSlice<f32>,
+    lse: &mut CudaSlice<f32>,
+    ent: &mut CudaSlice<f32>,
+) -> lmhead::Result<()> {
+    let o = FwdOptions { config: Choice::Fixed(cfg), check_labels: false, ..Default::default() };
+    let entropy = (family == Family::FwdEnt).then_some(ent as _);
+    head.forward(stream, x, &o, FwdOutputs { logprob: lp, lse, entropy }).map(|_| ())
 }
