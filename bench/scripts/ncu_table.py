@@ -12,8 +12,9 @@ per FLOP against the GEMM's (a chunk kernel does `chunk / v` of the GEMM's FLOP)
 clock, SMs active, tensor pipe busy over active cycles, L2 throughput (hit rate), DRAM throughput,
 and the factors more than a point (or 30 MHz) below cuBLAS's (DRAM when at least 35% and twice
 cuBLAS's). Then per kernel the median and range over the cases, and per case the sum of the
-training step's kernels per FLOP (forward with entropy, d-logits, `dh`, `dW`) beside the step's
-ratio in the steady state (`fwd_bwd / gemm` of the sweep records given, by shape).
+training step's kernels (forward with entropy, d-logits, `dh`, `dW`) per FLOP in time and in SM
+cycles (time × clock: what the sum would be if every kernel ran at the GEMM's clock) beside the
+step's ratio in the steady state (`fwd_bwd / gemm` of the sweep records given, by shape).
 """
 import json
 import re
@@ -76,7 +77,7 @@ def table(text):
         if g is None:
             continue
         first = True
-        step = 0.0
+        step, cycles = 0.0, 0.0
         for kind, _ in KINDS:
             x = k[kind]
             if x is None:
@@ -95,14 +96,16 @@ def table(text):
                 if x["dram"] >= 35 and x["dram"] >= 2 * g["dram"]:
                     lim.append("DRAM")
                 summary.append((kind, per_flop, lim))
-                step += per_flop if kind != "fwd" else 0.0
+                if kind != "fwd":
+                    step += per_flop
+                    cycles += per_flop * x["clk"] / g["clk"]
             shape = f"{t} × {v} × {d}, {chunk}" if first else ""
             first = False
             out.append(
                 f"| {shape} | {kind} | {x['ms']:.2f} | {per_flop:.2f} | {acct:.2f} | {x['clk']:.2f} | {x['active']:.1f}% "
                 f"| {x['tensor']:.1f}% | {x['l2']:.0f}% ({x['hit']:.0f}%) | {x['dram']:.0f}% | {', '.join(lim)} |"
             )
-        sums.append(((t, v, d, chunk), step))
+        sums.append(((t, v, d, chunk), step, cycles))
     return out, summary, sums
 
 
@@ -130,12 +133,12 @@ def main():
         print(f"| {kind} | {len(s)} | {med:.2f} | {r[0]:.2f}–{r[-1]:.2f} | {cnt('clock')} | {cnt('idle')} | {cnt('tensor')} | {cnt('DRAM')} |")
     if bench:
         print()
-        print("| shape (t × v × d), chunk | Σ step kernels per FLOP (ncu) | step in the bench | rest |")
-        print("|---|---:|---:|---:|")
-        for (t, v, d, chunk), step in sums:
+        print("| shape (t × v × d), chunk | Σ step kernels, time per FLOP (ncu) | the same in cycles | step in the bench | bench − cycles |")
+        print("|---|---:|---:|---:|---:|")
+        for (t, v, d, chunk), step, cycles in sums:
             b = bench.get((t, v, d))
             if b is not None:
-                print(f"| {t} × {v} × {d}, {chunk} | {step:.2f} | {b:.2f} | {b - step:+.2f} |")
+                print(f"| {t} × {v} × {d}, {chunk} | {step:.2f} | {cycles:.2f} | {b:.2f} | {b - cycles:+.2f} |")
 
 
 if __name__ == "__main__":
