@@ -457,16 +457,16 @@ fn main() {
         table::run(&head, &args, &info.name, &commit());
         return;
     }
-    if args.suite == "config-probe" {
-        if let Err(e) = config_probe::run(&head, &stream, &args) {
-            eprintln!("lmhead-bench config-probe: {e}");
-            std::process::exit(1);
-        }
-        return;
-    }
-    if args.suite == "dh-probe" {
-        if let Err(e) = dh_probe::run(&head, &stream, &args) {
-            eprintln!("lmhead-bench dh-probe: {e}");
+    // The single-kernel probes: one shape from `--filter`, a report on stdout.
+    type Probe = fn(&LmHead, &Arc<CudaStream>, &Args) -> lmhead::Result<()>;
+    let probe: Option<Probe> = match args.suite.as_str() {
+        "config-probe" => Some(config_probe::run),
+        "dh-probe" => Some(dh_probe::run),
+        _ => None,
+    };
+    if let Some(run) = probe {
+        if let Err(e) = run(&head, &stream, &args) {
+            eprintln!("lmhead-bench {}: {e}", args.suite);
             std::process::exit(1);
         }
         return;
