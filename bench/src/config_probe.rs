@@ -52,6 +52,16 @@ pub fn run(head: &LmHead, stream: &Arc<CudaStream>, args: &Args) -> lmhead::Resu
     let fo = FwdOptions { check_labels: false, ..Default::default() };
     head.forward(stream, &x, &fo, FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) })?;
     let (lse_s, ent_s) = (lse.clone(), ent.clone());
+    let bx = BwdInputs {
+        h: &h,
+        w: &w,
+        labels: &labels,
+        lse: &lse_s,
+        entropy: Some(&ent_s),
+        grad_logprob: Some(&gl),
+        grad_entropy: Some(&ge),
+        problem,
+    };
 
     // Variant 0: one GEMM; then the forwards, the backwards; last, four GEMMs back to back.
     let n = 2 + fwd.len() + bwd.len();
@@ -68,16 +78,6 @@ pub fn run(head: &LmHead, stream: &Arc<CudaStream>, args: &Args) -> lmhead::Resu
             } else if let Some(&(_, f, c)) = fwd.get(i - 1) {
                 sample(stream, &mut || forward(head, stream, &x, (f, c), &mut lp, &mut lse, &mut ent))?
             } else {
-                let bx = BwdInputs {
-                    h: &h,
-                    w: &w,
-                    labels: &labels,
-                    lse: &lse_s,
-                    entropy: Some(&ent_s),
-                    grad_logprob: Some(&gl),
-                    grad_entropy: Some(&ge),
-                    problem,
-                };
                 let bo = BwdOptions { config: bwd[i - 1 - fwd.len()].1, ..Default::default() };
                 sample(stream, &mut || head.backward(stream, &bx, &bo, GradOut::Bf16(&mut dh), Some(GradOut::Bf16(&mut dw))).map(|_| ()))?
             };
