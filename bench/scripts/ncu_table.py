@@ -18,6 +18,7 @@ step's ratio in the steady state (`fwd_bwd / gemm` of the sweep records given, b
 """
 import json
 import re
+import statistics
 import sys
 
 KINDS = [
@@ -128,7 +129,7 @@ def main():
         if not s:
             continue
         r = sorted(x[1] for x in s)
-        med = r[len(r) // 2] if len(r) % 2 else (r[len(r) // 2 - 1] + r[len(r) // 2]) / 2
+        med = statistics.median(r)
         cnt = lambda p: sum(any(l.startswith(p) for l in x[2]) for x in s)
         print(f"| {kind} | {len(s)} | {med:.2f} | {r[0]:.2f}–{r[-1]:.2f} | {cnt('clock')} | {cnt('idle')} | {cnt('tensor')} | {cnt('DRAM')} |")
     if bench:
