@@ -2,7 +2,7 @@
 # Runs on the GPU machine (no Rust there): the bundled test and bench binaries from `.gpu/`
 # (built by `cargo xtask gpu-bundle`). Usage, from the repository root on that machine:
 #
-#   bash .gpu/run-gpu.sh [steps...]     steps: info tests quick sweep probe entropy tp tune-table sanitize sass (default: info tests quick)
+#   bash .gpu/run-gpu.sh [steps...]     steps: info tests fills quick sweep probe entropy tp tune-table sanitize sass (default: info tests quick)
 #
 # Logs go to $OUT (or ./gpu-out when OUT is unset). Each step has a time limit so that one hung
 # step cannot eat the whole session. Set FILTER to pass a test-name filter to the test binaries,
@@ -34,6 +34,28 @@ for s in "${steps[@]}"; do
         grep -hE "^\[.*\] (fwd|bwd|tp|rel) " "$OUT/test.tmp" >> "$OUT/records.txt"
         rm -f "$OUT/test.tmp"
       done ;;
+    fills)
+      # Every Hopper plan forced to carry fillers (two vocab splits in raster groups of one token
+      # tile and a one-tile filler each; one column group per backward block, one-tile fillers):
+      # the tile-boundary tests, then the sanitizers, on those plans.
+      (
+        export LMHEAD_FWD_SPLITS=2 LMHEAD_FWD_RASTER=1 LMHEAD_FWD_FILL=1 LMHEAD_BWD_TILES=64 LMHEAD_BWD_RASTER=1 LMHEAD_BWD_FILL=1
+        for t in gpu_fwd gpu_bwd; do
+          echo "== $t (forced fillers)"
+          timeout 280 "$B/$t" --test-threads=1 --nocapture tile_boundaries > "$OUT/test.tmp" 2>&1
+          cat "$OUT/test.tmp" >> "$OUT/fills.log"
+          grep -E "^test .*(FAILED|ok)$|test result|panicked|SKIP" "$OUT/test.tmp" | head -20
+          grep -A3 "panicked" "$OUT/test.tmp" | grep -v "^stack\|^ *[0-9]*:" | head -20
+          rm -f "$OUT/test.tmp"
+        done
+        echo "== sanitizers (forced fillers)" | tee -a "$OUT/sanitize.log"
+        for tool in memcheck racecheck initcheck synccheck; do
+          timeout ${SAN_TIMEOUT:-300} compute-sanitizer --tool "$tool" --error-exitcode 7 "$B/gpu_reliability" --test-threads=1 --nocapture sanitizer_ > "$OUT/san.tmp" 2>&1
+          echo "exit $? (7 = errors found, 124 = timed out)" >> "$OUT/san.tmp"
+          { echo "== $tool"; grep -E "ERROR SUMMARY|========= (Invalid|Race|Uninit|Barrier)|test result|panicked|exit " "$OUT/san.tmp" | head -20; } | tee -a "$OUT/sanitize.log"
+          rm -f "$OUT/san.tmp"
+        done
+      ) ;;
     quick|sweep|entropy|probe|tp|tune-table)
       echo "== bench $s"
       # tp and tune-table records are other kinds: their own files.

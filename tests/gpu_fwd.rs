@@ -85,7 +85,7 @@ fn split_err(x: &[f64], r: &[f64], lse: &[f64]) -> (f64, f64) {
 }
 
 /// Run one case; returns a summary line for the record and the launch's vocab split count.
-fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &FwdCase, seed: u64) -> (String, u32) {
+fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &FwdCase, seed: u64) -> (String, lmhead::FwdReport) {
     let case = Case::generate(seed, c.t, c.v, c.d, &c.s);
     let desc = format!(
         "t={} v={} d={} ent={} i64={} choice={:?} naive={} seed={seed} {:?}",
@@ -146,13 +146,14 @@ fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &FwdCase, seed: u64) -> (Stri
     let (lp_n, lp_x) = split_err(&pick(&glp), &rlp, &rlse);
     let (lse_n, lse_x) = split_err(&pick(&glse), &rlse, &rlse);
     let line = format!(
-        "fwd t={:<5} v={:<6} d={:<5} ent={} cfg={:?} splits={} rows={} max_abs(normal rows) lp={:.1e} lse={:.1e} ent={} | max_rel(±1e4 rows) lp={:.1e} lse={:.1e}",
+        "fwd t={:<5} v={:<6} d={:<5} ent={} cfg={:?} splits={} fill={} rows={} max_abs(normal rows) lp={:.1e} lse={:.1e} ent={} | max_rel(±1e4 rows) lp={:.1e} lse={:.1e}",
         c.t,
         c.v,
         c.d,
         c.entropy as u8,
         report.config.map(|x| lmhead_core::config::kernel_name(if c.entropy { Family::FwdEnt } else { Family::Fwd }, x)).unwrap_or_else(|| "naive".into()),
         report.n_splits,
+        report.fill,
         rows.len(),
         lp_n,
         lse_n,
@@ -160,7 +161,7 @@ fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &FwdCase, seed: u64) -> (Stri
         lp_x,
         lse_x
     );
-    (line, report.n_splits)
+    (line, report)
 }
 
 fn run_all(test: &str, cases: &[FwdCase]) {
@@ -273,11 +274,28 @@ fn sm90_tile_loop() {
             let mut c = FwdCase::new(sms * bm - 5, v, d);
             c.choice = Choice::Fixed(cfg);
             c.entropy = i % 2 == 0;
-            let (line, n_splits) = run(&head, &stream, &c, case_seed(seed, i));
+            let (line, report) = run(&head, &stream, &c, case_seed(seed, i));
             println!("[gpu_fwd::sm90_tile_loop] {line}");
-            assert_eq!(n_splits, 1, "the plan split the vocab: the tile loop is not exercised [{line}]");
+            assert_eq!(report.n_splits, 1, "the plan split the vocab: the tile loop is not exercised [{line}]");
             i += 1;
         }
+    }
+}
+
+/// Every sm90 candidate where the plan cuts fillers off its splits (64 token tiles, the last
+/// masked, × 2 splits: 128 main blocks on 132 SMs; asserted), with a masked last vocab tile, so
+/// that the fillers write their own partial slots and take the masked tile.
+#[test]
+fn sm90_fillers() {
+    let Some((head, stream)) = gpu_or_skip("gpu_fwd::sm90_fillers") else { return };
+    let seed = run_seed("gpu_fwd::sm90_fillers");
+    for (i, &cfg) in Family::Fwd.candidates().iter().filter(|c| c.is_sm90()).enumerate() {
+        let mut c = FwdCase::new(64 * cfg.bm as usize - 5, 40_000 + 17, 1024);
+        c.choice = Choice::Fixed(cfg);
+        c.entropy = i % 2 == 0;
+        let (line, report) = run(&head, &stream, &c, case_seed(seed, i));
+        println!("[gpu_fwd::sm90_fillers] {line}");
+        assert!(report.fill > 0, "the plan took no fillers: the filler blocks are not exercised [{line}]");
     }
 }
 

@@ -63,7 +63,11 @@ impl Default for FwdOptions {
 #[derive(Clone, Debug, PartialEq)]
 pub struct FwdReport {
     pub config: Option<TileConfig>,
+    /// Vocab splits of the plan (0 for the naive path).
     pub n_splits: u32,
+    /// Tiles of every split that a filler block took (0 = no fillers; see
+    /// [`lmhead_core::split::with_fill`]).
+    pub fill: u32,
 }
 
 impl LmHead {
@@ -144,25 +148,26 @@ impl LmHead {
         }
         if opts.naive {
             launch::naive_fwd(&self.gpu, stream, &x, &logprob, &lse, entropy.as_ref())?;
-            return Ok(FwdReport { config: None, n_splits: 0 });
+            return Ok(FwdReport { config: None, n_splits: 0, fill: 0 });
         }
         let family = if entropy.is_some() { Family::FwdEnt } else { Family::Fwd };
         let cfg = self.fwd_config(stream, family, opts.config, p, &x, comm.is_some())?;
         let plan = self.plan_split(family, cfg, p)?;
-        let n_splits = {
-            let partials = ws.partials.get(&mut ws.src, stream, plan.n_splits as usize * p.t)?;
+        let plan = {
+            let partials = ws.partials.get(&mut ws.src, stream, plan.blocks_per_row() as usize * p.t)?;
             let pd = dev_out(partials, stream, "partials")?;
             launch::fwd_mainloop(&self.gpu, stream, &x, entropy.is_some(), cfg, plan, &pd)?
         };
+        let n_slots = plan.blocks_per_row();
         let (src, partials, status, row_state) = (&mut ws.src, &mut ws.partials, &mut ws.status, &mut ws.row_state);
         // The merge still flags bad labels in this word; nothing reads it any more (the label
         // check runs before the forward and sets its own words), so it is not cleared.
         let status = status.get(src, stream, 1)?;
-        let partials = partials.get(src, stream, n_splits as usize * p.t)?;
+        let partials = partials.get(src, stream, n_slots as usize * p.t)?;
         let pd = dev_in(&*partials, stream, "partials")?;
         let rows = MergeRows {
             t: p.t,
-            n_splits,
+            n_splits: n_slots,
             v_total: shard.v_total as i64,
             v_begin: shard.v_begin as i64,
             ignore_index: opts.ignore_index,
@@ -181,7 +186,7 @@ impl LmHead {
                 }
             }
         }
-        Ok(FwdReport { config: Some(cfg), n_splits })
+        Ok(FwdReport { config: Some(cfg), n_splits: plan.n_splits, fill: plan.fill })
     }
 
     /// Check every label before anything of the forward runs (so a bad label writes nothing and
@@ -254,7 +259,7 @@ impl LmHead {
         let x = &LogitsIn { dims: Dims { t: p.t, v: p.v, d: p.d }, sc, h, w, labels };
         self.tuner.pick_sliced(&key, choice, sliced, &mut |cfg| {
             let plan = self.plan_split(family, cfg, p)?;
-            let n = plan.n_splits as usize;
+            let n = plan.blocks_per_row() as usize;
             let mut partials = stream
                 .alloc_zeros::<crate::workspace::PartialRepr>(n * p.t)
                 .map_err(|_| Error::OutOfMemory { what: "tuning partials", bytes: n * p.t * 16 })?;

@@ -26,12 +26,14 @@ pub struct Tiles {
 
 /// A grid of `(m tiles, n groups)` blocks over `n_total` `BN`-wide tiles along N, `per`
 /// consecutive tiles per group, taken in groups of `group` m tiles
-/// ([`lmhead_core::split::raster`]).
+/// ([`lmhead_core::split::raster`]), with the last `fill` tiles of every group in a filler
+/// block launched after the others ([`lmhead_core::split::block_work`]).
 #[derive(Clone, Copy)]
 pub struct Grid {
     pub group: u32,
     pub per: u32,
     pub n_total: u32,
+    pub fill: u32,
 }
 
 /// The two operands of `C[m, n] = Σ_k A[m, k] · B[k, n]` in global memory (their layouts are the
@@ -111,7 +113,7 @@ impl Job for DlogitsJob<'_> {
     #[inline(always)]
     fn grid<const BN: usize>(&self) -> Grid {
         let n_total = (self.p.staging_stride as u32).div_ceil(BN as u32);
-        Grid { group: self.p.raster_group, per: self.p.tiles_per_split, n_total }
+        Grid { group: self.p.raster_group, per: self.p.tiles_per_split, n_total, fill: self.p.fill }
     }
 
     #[inline(always)]
@@ -144,7 +146,7 @@ pub struct GemmJob<'a> {
 impl Job for GemmJob<'_> {
     #[inline(always)]
     fn grid<const BN: usize>(&self) -> Grid {
-        Grid { group: self.p.raster_group, per: self.p.tiles_per_block, n_total: self.p.n.div_ceil(BN as u32) }
+        Grid { group: self.p.raster_group, per: self.p.tiles_per_block, n_total: self.p.n.div_ceil(BN as u32), fill: self.p.fill }
     }
 
     #[inline(always)]

@@ -64,6 +64,12 @@ pub struct LogitsParams {
     /// that the blocks resident together share fewer distinct `h` rows (see `split`). Hopper
     /// d-logits: the same order over (token tiles × column groups of `tiles_per_split`).
     pub raster_group: u32,
+    /// Hopper forward and d-logits: tiles cut from the end of every split (column group) into a
+    /// filler block launched after the others, grid `y` doubled; 0 = none
+    /// ([`crate::split::block_work`]). The forward's filler of split `s` writes partial slot
+    /// `n_splits + s`.
+    pub fill: u32,
+    pub _pad: u32,
     /// `1 / temperature`.
     pub inv_temp: f32,
     /// `log2(e) / temperature`.
@@ -105,6 +111,10 @@ pub struct GemmParams {
     /// into the next, hiding the fill and the epilogue); grid `y` = `ceil(n tiles / this)`.
     /// 0 is read as 1. The `cp.async` GEMMs take one tile per block and ignore it.
     pub tiles_per_block: u32,
+    /// Hopper GEMMs: tiles cut from the end of every n group into a filler block launched after
+    /// the others, grid `y` doubled; 0 = none ([`crate::split::block_work`]).
+    pub fill: u32,
+    pub _pad: u32,
 }
 
 /// Parameters of the forward merge kernels (`FWD_MERGE`, `FWD_ROW_STATE`, `FWD_FINISH`).
@@ -190,9 +200,9 @@ mod tests {
     fn abi_sizes() {
         assert_eq!(size_of::<Partial>(), 16);
         assert_eq!(align_of::<Partial>(), 16);
-        assert_eq!(size_of::<LogitsParams>(), 160);
+        assert_eq!(size_of::<LogitsParams>(), 168);
         assert_eq!(align_of::<LogitsParams>(), 8);
-        assert_eq!(size_of::<GemmParams>(), 96);
+        assert_eq!(size_of::<GemmParams>(), 104);
         assert_eq!(size_of::<MergeParams>(), 96);
         assert_eq!(size_of::<CastParams>(), 24);
         assert_eq!(size_of::<NaiveParams>(), 80);

@@ -17,6 +17,68 @@ pub struct SplitPlan {
     pub n_splits: u32,
     /// Token tiles per raster group of the launch order (0 = plain; see [`raster`]).
     pub raster_group: u32,
+    /// Vocab tiles cut from the end of every split into a block of their own, launched after
+    /// every main block (0 = none; see [`block_work`] and [`with_fill`]). Always less than the
+    /// last split's length, so that no block is empty.
+    pub fill: u32,
+}
+
+impl SplitPlan {
+    /// A plan of `n_splits` splits of `tiles_per_split` tiles, plain order, no fill.
+    pub const fn new(tiles_per_split: u32, n_splits: u32) -> SplitPlan {
+        SplitPlan { tiles_per_split, n_splits, raster_group: 0, fill: 0 }
+    }
+
+    /// Blocks per token tile, the grid's `y`, which is also the number of partials per row: one
+    /// per split, and one more per split for its filler.
+    pub const fn blocks_per_row(&self) -> u32 {
+        if self.fill > 0 {
+            2 * self.n_splits
+        } else {
+            self.n_splits
+        }
+    }
+}
+
+/// What one block of a split plan's grid does: the token tile, the partial slot it writes
+/// (`< blocks_per_row`), and the `count ≥ 1` consecutive vocab tiles from `first`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockWork {
+    pub m_tile: u32,
+    pub slot: u32,
+    pub first: u32,
+    pub count: u32,
+}
+
+/// The work of block `(bx, by)` in a grid of `gx` token tiles × `blocks_per_row` over `v_tiles`
+/// vocab tiles, split by `per` tiles in [`raster`] groups of `group`, with `fill` tiles of every
+/// split moved to a filler block. Launch order (`x` fastest) takes the main blocks (`by <
+/// n_splits`, the first `len − fill` tiles of split `by`'s range) before the fillers (`by =
+/// n_splits + s`, the last `fill` tiles of split `s`), each set in its own raster order: the
+/// fillers run on the SMs the main blocks' last wave leaves idle. `fill` must be less than
+/// every split's length (the host's plan keeps it so); larger values are clamped, never read
+/// out of range.
+pub const fn block_work(bx: u32, by: u32, gx: u32, v_tiles: u32, per: u32, group: u32, fill: u32) -> BlockWork {
+    let per = if per == 0 { 1 } else { per };
+    let n_splits = v_tiles.div_ceil(per);
+    let filler = fill > 0 && by >= n_splits;
+    let y = if filler { by - n_splits } else { by };
+    let (m_tile, s) = raster(bx, y, gx, n_splits, group);
+    let first = s * per;
+    let len = v_tiles.saturating_sub(first);
+    let len = if len < per { len } else { per };
+    let f = if len == 0 {
+        0
+    } else if fill < len {
+        fill
+    } else {
+        len - 1
+    };
+    if filler {
+        BlockWork { m_tile, slot: n_splits + s, first: first + len - f, count: f }
+    } else {
+        BlockWork { m_tile, slot: s, first, count: len - f }
+    }
 }
 
 /// A measurement override of a plan (the host reads it from the environment): a forced split
@@ -27,11 +89,14 @@ pub struct PlanOverride {
     pub splits: Option<u32>,
     pub tiles: Option<u32>,
     pub raster: Option<u32>,
+    /// Tiles per filler (0 = none; clamped below the last split's length).
+    pub fill: Option<u32>,
 }
 
 impl PlanOverride {
     /// `plan` with the overrides of `self` for a walk over `n_tiles` tiles (a split or tile count
-    /// of 0 is ignored; counts beyond `n_tiles` are clamped).
+    /// of 0 is ignored; counts beyond `n_tiles` are clamped, a fill to below the last split's
+    /// length; a new split drops the plan's fill unless `fill` is set).
     pub fn apply(&self, mut plan: SplitPlan, n_tiles: u32) -> SplitPlan {
         let n = n_tiles.max(1);
         let per = match (self.tiles.filter(|&t| t >= 1), self.splits.filter(|&s| s >= 1)) {
@@ -42,9 +107,13 @@ impl PlanOverride {
         if let Some(per) = per {
             plan.tiles_per_split = per;
             plan.n_splits = n.div_ceil(per);
+            plan.fill = 0;
         }
         if let Some(g) = self.raster {
             plan.raster_group = g;
+        }
+        if let Some(f) = self.fill {
+            plan.fill = f.min(last_split_len(plan, n).saturating_sub(1));
         }
         plan
     }
@@ -53,13 +122,13 @@ impl PlanOverride {
 /// Plan the split for `m_tiles` token tiles and `n_tiles` vocab tiles on `slots` concurrent
 /// blocks (SM count × blocks per SM).
 pub fn plan(m_tiles: u32, n_tiles: u32, slots: u32) -> SplitPlan {
-    let mut best = SplitPlan { tiles_per_split: n_tiles.max(1), n_splits: 1, raster_group: 0 };
+    let mut best = SplitPlan::new(n_tiles.max(1), 1);
     let mut best_cost = u64::MAX;
     for (per, n_splits) in split_options(n_tiles) {
         let cost = makespan(m_tiles, n_splits, per, slots);
         if cost < best_cost {
             best_cost = cost;
-            best = SplitPlan { tiles_per_split: per, n_splits, raster_group: 0 };
+            best = SplitPlan::new(per, n_splits);
         }
     }
     best
@@ -143,10 +212,88 @@ pub fn plan_l2(m_tiles: u32, n_tiles: u32, slots: u32, l2: L2Model) -> SplitPlan
     for (per, n_splits) in split_options(n_tiles).filter(|&(_, n)| fits(n)) {
         let cost = makespan(m_tiles, n_splits, per, slots);
         if best.is_none_or(|(c, _)| cost < c) {
-            best = Some((cost, SplitPlan { tiles_per_split: per, n_splits, raster_group: resident_rows(n_splits) }));
+            best = Some((cost, SplitPlan { raster_group: resident_rows(n_splits), ..SplitPlan::new(per, n_splits) }));
         }
     }
     best.map_or(plain, |(_, p)| p)
+}
+
+/// A block's fixed cost — launch, barrier set-up, the pipeline's fill and drain, the partial
+/// write — in 64-deep K steps of its mainloop, for [`with_fill`]. An estimate: a few µs, against
+/// ≈ 0.6 µs per K step of a 128 × 256 tile on the H200.
+pub const BLOCK_FIXED_K_STEPS: u64 = 4;
+
+/// The least modelled gain (a fraction of the makespan) for which [`with_fill`] adds fillers.
+pub const FILL_MIN_GAIN: f64 = 0.005;
+
+/// The length of the last split of `plan` over `n_tiles` tiles (the others have `tiles_per_split`).
+pub const fn last_split_len(plan: SplitPlan, n_tiles: u32) -> u32 {
+    let per = if plan.tiles_per_split == 0 { 1 } else { plan.tiles_per_split };
+    let n_splits = n_tiles.div_ceil(per);
+    if n_splits == 0 {
+        0
+    } else {
+        n_tiles - (n_splits - 1) * per
+    }
+}
+
+/// The modelled makespan, in K steps, of `plan`'s `m_tiles × blocks_per_row` blocks over
+/// `n_tiles` vocab tiles of `k_steps` K steps each, on `slots` concurrent blocks: blocks start in
+/// launch order, each on the first slot to free up, and take `count · k_steps +`
+/// [`BLOCK_FIXED_K_STEPS`].
+#[cfg(feature = "std")]
+pub fn makespan_k_steps(plan: SplitPlan, m_tiles: u32, n_tiles: u32, slots: u32, k_steps: u32) -> u64 {
+    use core::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    let mut free: BinaryHeap<Reverse<u64>> = (0..slots.max(1)).map(|_| Reverse(0)).collect();
+    let mut end = 0;
+    for by in 0..plan.blocks_per_row() {
+        for bx in 0..m_tiles {
+            let w = block_work(bx, by, m_tiles, n_tiles, plan.tiles_per_split, plan.raster_group, plan.fill);
+            let Reverse(start) = free.pop().unwrap_or(Reverse(0));
+            let t = start + w.count as u64 * k_steps as u64 + BLOCK_FIXED_K_STEPS;
+            end = end.max(t);
+            free.push(Reverse(t));
+        }
+    }
+    end
+}
+
+/// `plan` with fillers where they shorten its modelled makespan ([`makespan_k_steps`]) by at
+/// least [`FILL_MIN_GAIN`]. A plan whose blocks do not divide into whole waves leaves SMs idle
+/// while its last wave runs (128 blocks on 132 SMs idle 3% of them throughout); cutting `fill`
+/// tiles off every split shortens every main block, and the fillers, launched after them, run
+/// on the SMs that would have idled. The fillers keep the main blocks' raster order, so the
+/// ones running together share their rows of `h` and tiles of `W` as the main blocks do.
+/// The fill is chosen near the balance point `waves · (per − fill + o) = total / slots` (`o`: a
+/// block's fixed cost in tiles) and below the last split's length.
+#[cfg(feature = "std")]
+pub fn with_fill(plan: SplitPlan, m_tiles: u32, n_tiles: u32, slots: u32, k_steps: u32) -> SplitPlan {
+    let plan = SplitPlan { fill: 0, ..plan };
+    let last = last_split_len(plan, n_tiles);
+    if m_tiles == 0 || last < 2 {
+        return plan;
+    }
+    let base = makespan_k_steps(plan, m_tiles, n_tiles, slots, k_steps);
+    let (slots_f, o) = (slots.max(1) as f64, BLOCK_FIXED_K_STEPS as f64 / k_steps.max(1) as f64);
+    let waves = (m_tiles as u64 * plan.n_splits as u64).div_ceil(slots.max(1) as u64) as f64;
+    let total = m_tiles as f64 * (n_tiles as f64 + 2.0 * plan.n_splits as f64 * o);
+    let balance = plan.tiles_per_split as f64 + o - total / (slots_f * waves);
+    let lo = (balance.floor() - 1.0).max(1.0) as u32;
+    let hi = ((balance.ceil() + 1.0).max(1.0) as u32).min(last - 1);
+    let mut best = (base, plan);
+    for fill in lo..=hi.max(lo).min(last - 1) {
+        let p = SplitPlan { fill, ..plan };
+        let t = makespan_k_steps(p, m_tiles, n_tiles, slots, k_steps);
+        if t < best.0 {
+            best = (t, p);
+        }
+    }
+    if (best.0 as f64) <= base as f64 * (1.0 - FILL_MIN_GAIN) {
+        best.1
+    } else {
+        plan
+    }
 }
 
 /// The (token tile, split) a forward block works on. Launch order is `x` (token tile) fastest;
@@ -244,6 +391,9 @@ mod tests {
         assert_eq!(PlanOverride::default().apply(base, 594), base);
         let p = PlanOverride { splits: Some(8), raster: Some(16), ..Default::default() }.apply(base, 594);
         assert_eq!((p.tiles_per_split, p.n_splits, p.raster_group), (75, 8, 16));
+        // 594 = 7 · 75 + 69: the fill stays below the last split's 69 tiles.
+        let p = PlanOverride { splits: Some(8), fill: Some(100), ..Default::default() }.apply(base, 594);
+        assert_eq!((p.n_splits, p.fill, p.blocks_per_row()), (8, 68, 16));
         let p = PlanOverride { tiles: Some(3), ..Default::default() }.apply(base, 16);
         assert_eq!((p.tiles_per_split, p.n_splits), (3, 6));
         // Clamped and ignored values.
@@ -257,6 +407,70 @@ mod tests {
                     let p = o.apply(base, n);
                     assert!(p.tiles_per_split >= 1 && n.div_ceil(p.tiles_per_split) == p.n_splits, "{o:?} n {n}: {p:?}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    #[cfg(feature = "std")]
+    fn block_work_covers_every_tile_once() {
+        for (m, n) in [(1u32, 1u32), (3, 7), (8, 970), (64, 243), (5, 100)] {
+            for per in [1u32, 2, 7, 30, 243, 1000] {
+                for group in [0u32, 1, 2, 4] {
+                    let base = SplitPlan { raster_group: group, ..SplitPlan::new(per.min(n), n.div_ceil(per.min(n))) };
+                    for fill in [0u32, 1, 3, 1000] {
+                        let plan = PlanOverride { fill: Some(fill), ..Default::default() }.apply(base, n);
+                        assert!(plan.fill == 0 || plan.fill < last_split_len(plan, n), "{plan:?}");
+                        let mut seen = std::vec![0u8; (m * n) as usize];
+                        let mut slots = std::vec![false; (m * plan.blocks_per_row()) as usize];
+                        for by in 0..plan.blocks_per_row() {
+                            for bx in 0..m {
+                                let w = block_work(bx, by, m, n, plan.tiles_per_split, group, plan.fill);
+                                assert!(w.count >= 1 && w.m_tile < m && w.slot < plan.blocks_per_row(), "{plan:?} {w:?}");
+                                let slot = (w.m_tile * plan.blocks_per_row() + w.slot) as usize;
+                                assert!(!slots[slot], "slot twice: {plan:?} {w:?}");
+                                slots[slot] = true;
+                                for v in w.first..w.first + w.count {
+                                    seen[(w.m_tile * n + v) as usize] += 1;
+                                }
+                            }
+                        }
+                        assert!(seen.iter().all(|&c| c == 1), "m {m} n {n}: {plan:?}");
+                    }
+                }
+            }
+        }
+        // The fillers come after every main block in launch order and take the ends of the splits.
+        let w = block_work(0, 2, 4, 10, 5, 0, 2);
+        assert_eq!(w, BlockWork { m_tile: 0, slot: 2, first: 3, count: 2 });
+        assert_eq!(block_work(3, 1, 4, 10, 5, 0, 2), BlockWork { m_tile: 3, slot: 1, first: 5, count: 3 });
+    }
+
+    #[test]
+    #[cfg(feature = "std")]
+    fn fillers_use_the_idle_sms_of_the_last_wave() {
+        // t = 8192, v = 248320 (64 token tiles × 970 vocab tiles), 2 splits: 128 blocks on 132
+        // SMs. With fillers every SM works, and the makespan falls by about the idle share.
+        let base = plan(64, 970, 132);
+        assert_eq!((base.n_splits, base.fill), (2, 0), "{base:?}");
+        let p = with_fill(base, 64, 970, 132, 32);
+        assert!(p.fill > 0 && (p.n_splits, p.tiles_per_split) == (base.n_splits, base.tiles_per_split), "{p:?}");
+        let (t0, t1) = (makespan_k_steps(base, 64, 970, 132, 32), makespan_k_steps(p, 64, 970, 132, 32));
+        assert!(t1 as f64 <= t0 as f64 * 0.975, "{t0} -> {t1} ({p:?})");
+        // Whole waves of equal blocks gain nothing: 132 token tiles × 1 split.
+        let whole = plan(132, 100, 132);
+        assert_eq!(with_fill(whole, 132, 100, 132, 32), whole);
+        // A last split of one tile leaves no room for a fill.
+        let one = SplitPlan::new(10, 11);
+        assert_eq!(last_split_len(one, 101), 1);
+        assert_eq!(with_fill(one, 7, 101, 132, 32).fill, 0);
+        // The fill never grows the makespan, whatever the shape.
+        for m in [1u32, 8, 64, 128, 256, 1024] {
+            for n in [1u32, 63, 243, 485, 970] {
+                let base = plan(m, n, 132);
+                let p = with_fill(base, m, n, 132, 32);
+                assert!(p.fill < last_split_len(p, n).max(1));
+                assert!(makespan_k_steps(p, m, n, 132, 32) <= makespan_k_steps(base, m, n, 132, 32), "m {m} n {n}: {p:?}");
             }
         }
     }

@@ -61,7 +61,9 @@ impl LogitsIn<'_, '_> {
     }
 }
 
-/// The forward mainloop: writes `partials[split][row]` for every split of `plan` and row `< t`.
+/// The forward mainloop: writes `partials[slot][row]` for every slot of `plan` (a split's main
+/// block, then its filler: [`lmhead_core::split::SplitPlan::blocks_per_row`]) and row `< t`.
+/// Returns the plan as launched (`n_splits` from `tiles_per_split`).
 pub fn fwd_mainloop(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
@@ -70,7 +72,7 @@ pub fn fwd_mainloop(
     cfg: TileConfig,
     plan: lmhead_core::split::SplitPlan,
     partials: &Dev,
-) -> Result<u32> {
+) -> Result<lmhead_core::split::SplitPlan> {
     let family = if entropy { Family::FwdEnt } else { Family::Fwd };
     let (dims, sc, labels) = (x.dims, x.sc, x.labels);
     let (hp, wp, lp) = x.check()?;
@@ -79,8 +81,14 @@ pub fn fwd_mainloop(
     if tiles_per_split == 0 {
         return Err(Error::Config("tiles_per_split must be ≥ 1".into()));
     }
-    let n_splits = v_tiles.div_ceil(tiles_per_split);
-    let pp = partials.check(n_splits as usize * dims.t, 16)?;
+    if plan.fill > 0 && (!cfg.is_sm90() || plan.fill >= lmhead_core::split::last_split_len(plan, v_tiles)) {
+        return Err(Error::Config(format!(
+            "forward plan {plan:?}: a fill needs an sm90 config and must be below the last split's length"
+        )));
+    }
+    let plan = lmhead_core::split::SplitPlan { n_splits: v_tiles.div_ceil(tiles_per_split), ..plan };
+    let n_slots = plan.blocks_per_row();
+    let pp = partials.check(n_slots as usize * dims.t, 16)?;
     let mut p = LogitsParams {
         h: hp,
         w: wp,
@@ -93,8 +101,9 @@ pub fn fwd_mainloop(
         d: dims.d as u32,
         label_kind: labels.kind,
         tiles_per_split,
-        // Only the Hopper forward reads the raster order.
+        // Only the Hopper forward reads the raster order and the fill.
         raster_group: if cfg.is_sm90() { plan.raster_group } else { 0 },
+        fill: plan.fill,
         ..Default::default()
     };
     sc.fill(&mut p);
@@ -104,10 +113,10 @@ pub fn fwd_mainloop(
         &[TmaOperand::k_major(hp, dims.t, dims.d, dims.d, cfg.bm), TmaOperand::k_major(wp, dims.v, dims.d, dims.d, cfg.bn)],
     )?;
     p.tmaps = tmaps;
-    let grid = (dims.t.div_ceil(cfg.bm as usize) as u32, n_splits);
+    let grid = (dims.t.div_ceil(cfg.bm as usize) as u32, n_slots);
     launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
     drop(maps);
-    Ok(n_splits)
+    Ok(plan)
 }
 
 /// A vocab chunk of the backward: columns `[begin, begin + width)` of the local vocab, staged
@@ -176,8 +185,8 @@ pub fn bwd_dlogits(
     sc.fill(&mut p);
     let m_tiles = dims.t.div_ceil(cfg.bm as usize) as u32;
     let plan = crate::plan::bwd(gpu, cfg, m_tiles, stride.div_ceil(cfg.bn as usize) as u32, dims.d);
-    (p.tiles_per_split, p.raster_group) = (plan.tiles_per_split, plan.raster_group);
-    let grid = (m_tiles, plan.n_splits);
+    (p.tiles_per_split, p.raster_group, p.fill) = (plan.tiles_per_split, plan.raster_group, plan.fill);
+    let grid = (m_tiles, plan.blocks_per_row());
     // The B map ends at the chunk: rows beyond it load as zeros, as the `cp.async` path's bound.
     // A `tma_store` config stores through a third map over the staging buffer, which clips rows
     // ≥ t and columns ≥ stride as the other epilogue's guards do.
@@ -311,8 +320,8 @@ fn launch_gemm(
     p.tmaps = tmaps;
     let m_tiles = m.div_ceil(cfg.bm as usize) as u32;
     let plan = crate::plan::bwd(gpu, cfg, m_tiles, n.div_ceil(cfg.bn as usize) as u32, k);
-    (p.tiles_per_block, p.raster_group) = (plan.tiles_per_split, plan.raster_group);
-    let grid = (m_tiles, plan.n_splits);
+    (p.tiles_per_block, p.raster_group, p.fill) = (plan.tiles_per_split, plan.raster_group, plan.fill);
+    let grid = (m_tiles, plan.blocks_per_row());
     launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
     drop(maps);
     Ok(())

@@ -13,8 +13,9 @@ use overrides::Overrides;
 
 /// The forward's vocab split and launch order for `cfg` with `slots` concurrent blocks on the
 /// device, with the overrides `LMHEAD_FWD_L2=0` (no L2 model), `LMHEAD_FWD_SPLITS`,
-/// `LMHEAD_FWD_RASTER`. The sm90 forward reads the raster order; its plan keeps the resident rows
-/// of `h` in L2.
+/// `LMHEAD_FWD_RASTER`, `LMHEAD_FWD_FILL`. The sm90 forward reads the raster order and the fill;
+/// its plan keeps the resident rows of `h` in L2, and its fillers ([`split::with_fill`]) the
+/// SMs busy in the last wave.
 pub(crate) fn fwd(gpu: &Gpu, slots: u32, cfg: TileConfig, p: Problem) -> split::SplitPlan {
     let m_tiles = p.t.div_ceil(cfg.bm as usize) as u32;
     let n_tiles = p.v.div_ceil(cfg.bn as usize) as u32;
@@ -24,7 +25,19 @@ pub(crate) fn fwd(gpu: &Gpu, slots: u32, cfg: TileConfig, p: Problem) -> split::
     } else {
         split::plan(m_tiles, n_tiles, slots)
     };
-    ov.fwd.apply(plan, n_tiles)
+    let plan = ov.fwd.apply(plan, n_tiles);
+    if !cfg.is_sm90() {
+        return split::SplitPlan { fill: 0, ..plan };
+    }
+    match ov.fwd.fill {
+        Some(_) => plan,
+        None => split::with_fill(plan, m_tiles, n_tiles, slots, k_steps(p.d)),
+    }
+}
+
+/// 64-deep K steps of a `k`-deep tile, the unit of [`split::makespan_k_steps`].
+fn k_steps(k: usize) -> u32 {
+    k.div_ceil(64) as u32
 }
 
 /// How an sm90 backward grid of `m_tiles × n_tiles` output tiles (`k`-deep) is walked: the
@@ -33,12 +46,18 @@ pub(crate) fn fwd(gpu: &Gpu, slots: u32, cfg: TileConfig, p: Problem) -> split::
 /// the `mma.sync` kernels take them, every tile pays a pipeline fill and an exposed epilogue
 /// (measured on the H200 at t = 8192, d = 4096, chunks of 8192: d-logits ≈ 1.5× and `dh` ≈ 1.3×
 /// the time per FLOP of the whole-vocab cuBLAS GEMM). `LMHEAD_BWD_TILES` and
-/// `LMHEAD_BWD_RASTER` override the plan.
+/// `LMHEAD_BWD_RASTER` override the plan; fillers ([`split::with_fill`]) keep the SMs busy in
+/// the last wave unless `LMHEAD_BWD_FILL` sets the fill.
 pub(crate) fn bwd(gpu: &Gpu, cfg: TileConfig, m_tiles: u32, n_tiles: u32, k: usize) -> split::SplitPlan {
     if !cfg.is_sm90() {
-        return split::SplitPlan { tiles_per_split: 1, n_splits: n_tiles, raster_group: 0 };
+        return split::SplitPlan::new(1, n_tiles);
     }
     let info = gpu.info();
     let l2 = split::L2Model::of(cfg.bm.into(), k as u64, info.l2_bytes);
-    Overrides::get().bwd.apply(split::plan_l2(m_tiles, n_tiles, info.sm_count, l2), n_tiles)
+    let ov = Overrides::get().bwd;
+    let plan = ov.apply(split::plan_l2(m_tiles, n_tiles, info.sm_count, l2), n_tiles);
+    match ov.fill {
+        Some(_) => plan,
+        None => split::with_fill(plan, m_tiles, n_tiles, info.sm_count, k_steps(k)),
+    }
 }

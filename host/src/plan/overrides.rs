@@ -1,8 +1,9 @@
 //! Measurement overrides of the launch plans, read from the environment once per process (the
 //! first forward or backward call): `LMHEAD_FWD_L2=0` (forward plan without the L2 model),
-//! `LMHEAD_FWD_SPLITS` / `LMHEAD_FWD_RASTER` (forward split count / raster group of token
-//! tiles), `LMHEAD_BWD_TILES` / `LMHEAD_BWD_RASTER` (n tiles per block / raster group of the
-//! Hopper backward kernels). A value that does not parse is reported once on stderr and
+//! `LMHEAD_FWD_SPLITS` / `LMHEAD_FWD_RASTER` / `LMHEAD_FWD_FILL` (forward split count / raster
+//! group of token tiles / tiles per filler, 0 = none), `LMHEAD_BWD_TILES` / `LMHEAD_BWD_RASTER` /
+//! `LMHEAD_BWD_FILL` (n tiles per block / raster group / tiles per filler of the Hopper backward
+//! kernels). A value that does not parse is reported once on stderr and
 //! ignored.
 
 use std::sync::OnceLock;
@@ -38,8 +39,10 @@ impl Overrides {
             let v = lookup(k)?;
             v.trim().parse::<u32>().map_err(|_| bad.push((k, v))).ok()
         };
-        let fwd = PlanOverride { splits: num("LMHEAD_FWD_SPLITS"), tiles: None, raster: num("LMHEAD_FWD_RASTER") };
-        let bwd = PlanOverride { splits: None, tiles: num("LMHEAD_BWD_TILES"), raster: num("LMHEAD_BWD_RASTER") };
+        let fwd =
+            PlanOverride { splits: num("LMHEAD_FWD_SPLITS"), tiles: None, raster: num("LMHEAD_FWD_RASTER"), fill: num("LMHEAD_FWD_FILL") };
+        let bwd =
+            PlanOverride { splits: None, tiles: num("LMHEAD_BWD_TILES"), raster: num("LMHEAD_BWD_RASTER"), fill: num("LMHEAD_BWD_FILL") };
         let fwd_l2_off = lookup("LMHEAD_FWD_L2").is_some_and(|v| v.trim() == "0");
         (Overrides { fwd_l2_off, fwd, bwd }, bad)
     }
@@ -66,11 +69,13 @@ mod tests {
             ("LMHEAD_FWD_RASTER", " 16 "),
             ("LMHEAD_BWD_TILES", "3"),
             ("LMHEAD_BWD_RASTER", "0"),
+            ("LMHEAD_FWD_FILL", "0"),
+            ("LMHEAD_BWD_FILL", "2"),
         ]);
         assert!(bad.is_empty());
         assert!(o.fwd_l2_off);
-        assert_eq!(o.fwd, PlanOverride { splits: Some(8), tiles: None, raster: Some(16) });
-        assert_eq!(o.bwd, PlanOverride { splits: None, tiles: Some(3), raster: Some(0) });
+        assert_eq!(o.fwd, PlanOverride { splits: Some(8), tiles: None, raster: Some(16), fill: Some(0) });
+        assert_eq!(o.bwd, PlanOverride { splits: None, tiles: Some(3), raster: Some(0), fill: Some(2) });
     }
 
     #[test]

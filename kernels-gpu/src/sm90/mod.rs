@@ -29,7 +29,7 @@ mod pipeline;
 mod store;
 mod wgmma;
 
-use crate::body::{self, GemmJob, Job, Mainloop as _, Tiles};
+use crate::body::{self, GemmJob, Grid, Job, Mainloop as _, Tiles};
 use crate::epilogue::dlogits::{dlogits_pair, row_coeffs};
 use crate::epilogue::lse::{fold_tile, load_label, local_column, store_partials};
 use crate::epilogue::{Acc, WarpPos};
@@ -59,27 +59,20 @@ fn half<const NW: usize>(acc: &mut WgAcc<NW>, nb: usize, h: usize) -> &mut Acc<1
 ///
 /// # Safety
 /// Launched with `(WGM + 1)·128` threads (the last warpgroup is the producer), a grid of
-/// `(ceil(t/BM), n_splits)` blocks and `(BM + BN)·64·2·ST` bytes of dynamic shared memory (plus
-/// `16·ST` for the mbarriers, and `p.tmaps` set); `p` describes valid device buffers as for
-/// `sm80::fwd`.
+/// `(ceil(t/BM), n_splits)` blocks, or `2·n_splits` with `p.fill > 0` (less than the last
+/// split's length; partials `[2·n_splits][t]`), and `(BM + BN)·64·2·ST` bytes of dynamic shared
+/// memory (plus `16·ST` for the mbarriers, and `p.tmaps` set); `p` describes valid device
+/// buffers as for `sm80::fwd`.
 #[inline(always)]
 pub unsafe fn fwd_wg<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const ENT: bool>(
     p: &LogitsParams,
 ) {
     let tid = intrinsics::thread_idx();
-    let (m_tile, split) = lmhead_core::split::raster(
-        intrinsics::block_idx_x(),
-        intrinsics::block_idx_y(),
-        intrinsics::grid_dim_x(),
-        intrinsics::grid_dim_y(),
-        p.raster_group,
-    );
-    let m0 = m_tile * BM as u32;
     let v_tiles = p.v.div_ceil(BN as u32);
-    let tile_begin = split * p.tiles_per_split;
-    let n_tiles = (v_tiles - tile_begin).min(p.tiles_per_split);
+    let work = block_work(Grid { group: p.raster_group, per: p.tiles_per_split, n_total: v_tiles, fill: p.fill });
+    let (m0, split, n_tiles) = (work.m_tile * BM as u32, work.slot, work.count);
     let kt = p.d.div_ceil(BK as u32);
-    let n0_first = tile_begin * BN as u32;
+    let n0_first = work.first * BN as u32;
     // SAFETY: first call, by every thread; the kernel contract provides the maps.
     unsafe { tma_split::<BM, BN, ST, WGM, false, false>(tid, p.tmaps, m0, n0_first, n_tiles, kt) };
     let w = warp_pos(tid);
@@ -116,26 +109,29 @@ pub unsafe fn fwd_wg<const BM: usize, const BN: usize, const ST: usize, const WG
     unsafe { store_partials::<BM, 1, 1, ENT>(p, &w, &mut st, &mut z_label, m0, split, intrinsics::smem_base(), (WGM * 128) as u32) };
 }
 
-/// This block's output tiles in a grid of `(m tiles, n groups)` blocks, taken in
-/// [`lmhead_core::split::raster`] order with groups of `group` m tiles (0 = plain): the first
-/// row, the first column and the count of the `per` consecutive `BN`-wide tiles (of `n_total`)
-/// the block walks. The pipeline runs on from one tile into the next, so a block pays one fill
-/// and its epilogues overlap the producer's loads; the raster keeps the rows resident blocks
-/// read together within L2 (`split::plan_l2`, which also picks `per`).
+/// This block's work in `g` ([`lmhead_core::split::block_work`]): its m tile, its slot, and the
+/// `count ≥ 1` consecutive `BN`-wide tiles from `first` it walks. The pipeline runs on from one
+/// tile into the next, so a block pays one fill and its epilogues overlap the producer's loads;
+/// the raster keeps the rows resident blocks read together within L2 (`split::plan_l2`, which
+/// also picks `per`), and the fillers use the SMs the last wave leaves idle (`split::with_fill`).
 #[inline(always)]
-fn block_tiles<const BM: usize, const BN: usize>(group: u32, per: u32, n_total: u32) -> (u32, u32, u32) {
-    let (mt, ng) = lmhead_core::split::raster(
+fn block_work(g: Grid) -> lmhead_core::split::BlockWork {
+    lmhead_core::split::block_work(
         intrinsics::block_idx_x(),
         intrinsics::block_idx_y(),
         intrinsics::grid_dim_x(),
-        intrinsics::grid_dim_y(),
-        group,
-    );
-    let per = if per == 0 { 1 } else { per };
-    let first = ng * per;
-    // The host launches `ceil(n_total / per)` groups, so `first < n_total`; saturate anyway.
-    let count = n_total.saturating_sub(first).min(per);
-    (mt * BM as u32, first * BN as u32, count)
+        g.n_total,
+        g.per,
+        g.group,
+        g.fill,
+    )
+}
+
+/// [`block_work`] as the first row, the first column and the tile count.
+#[inline(always)]
+fn block_tiles<const BM: usize, const BN: usize>(g: Grid) -> (u32, u32, u32) {
+    let w = block_work(g);
+    (w.m_tile * BM as u32, w.first * BN as u32, w.count)
 }
 
 /// The Hopper mainloop as a [`body::Mainloop`]: `WGM` consumer warpgroups and a producer
@@ -162,8 +158,7 @@ impl<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const 
 
     #[inline(always)]
     fn tiles(&mut self, job: &impl Job) -> Tiles {
-        let g = job.grid::<BN>();
-        let (m0, n0, count) = block_tiles::<BM, BN>(g.group, g.per, g.n_total);
+        let (m0, n0, count) = block_tiles::<BM, BN>(job.grid::<BN>());
         Tiles { m0, n0, count }
     }
 
@@ -208,7 +203,8 @@ impl<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const 
 ///
 /// # Safety
 /// Launched with `(WGM + 1)·128` threads, grid
-/// `(ceil(t/BM), ceil(ceil(staging_stride/BN) / max(1, p.tiles_per_split)))`, the ring's
+/// `(ceil(t/BM), ceil(ceil(staging_stride/BN) / max(1, p.tiles_per_split)))` (twice that with
+/// `p.fill > 0`, less than the last group's length), the ring's
 /// dynamic shared memory (with the mbarriers and `p.tmaps`), 1024 bytes after the ring, then
 /// `TMA_STORE_BYTES`, and a third map in `p.tmaps`: the staging buffer
 /// `[t][staging_stride]`, 64 × 64 boxes, 128-byte swizzle; buffers as for `body::dlogits`.
@@ -218,7 +214,7 @@ pub unsafe fn dlogits_tma_store<const BM: usize, const BN: usize, const ST: usiz
 ) {
     let tid = intrinsics::thread_idx();
     let n_total = (p.staging_stride as u32).div_ceil(BN as u32);
-    let (m0, n0_first, n_tiles) = block_tiles::<BM, BN>(p.raster_group, p.tiles_per_split, n_total);
+    let (m0, n0_first, n_tiles) = block_tiles::<BM, BN>(Grid { group: p.raster_group, per: p.tiles_per_split, n_total, fill: p.fill });
     let kt = p.d.div_ceil(BK as u32);
     // SAFETY: first call, by every thread; the kernel contract provides the maps.
     unsafe { tma_split::<BM, BN, ST, WGM, false, false>(tid, p.tmaps, m0, p.v_chunk_begin + n0_first, n_tiles, kt) };
