@@ -17,6 +17,27 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # libnccl ships in the nvidia-nccl wheel of the machine's python, not on the default path.
 nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
 [ -n "$nccl_dir" ] && [ -d "$nccl_dir" ] && export LD_LIBRARY_PATH="$nccl_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" && ln -sf "$nccl_dir/libnccl.so.2" "$nccl_dir/libnccl.so" 2>/dev/null
+# One test binary ($1) with the test-name filter $3, its output appended to $OUT/$2; prints the
+# summary and the panics; the tests step's per-case records also go to $OUT/records.txt.
+run_tests() {
+  timeout 280 "$B/$1" --test-threads=1 --nocapture ${3:-} > "$OUT/test.tmp" 2>&1
+  cat "$OUT/test.tmp" >> "$OUT/$2"
+  grep -E "^test .*(FAILED|ok)$|test result|panicked|SKIP" "$OUT/test.tmp" | head -60
+  grep -A3 "panicked" "$OUT/test.tmp" | grep -v "^stack\|^ *[0-9]*:" | head -40
+  [ "$2" = tests.log ] && grep -hE "^\[.*\] (fwd|bwd|tp|rel) " "$OUT/test.tmp" >> "$OUT/records.txt"
+  rm -f "$OUT/test.tmp"
+}
+# The four compute-sanitizer tools over gpu_reliability's sanitizer_* test; summary to
+# $OUT/sanitize.log.
+run_sanitizers() {
+  for tool in memcheck racecheck initcheck synccheck; do
+    echo "== compute-sanitizer $tool"
+    timeout ${SAN_TIMEOUT:-300} compute-sanitizer --tool "$tool" --error-exitcode 7 "$B/gpu_reliability" --test-threads=1 --nocapture sanitizer_ > "$OUT/san.tmp" 2>&1
+    echo "exit $? (7 = errors found, 124 = timed out)" >> "$OUT/san.tmp"
+    { echo "== $tool"; grep -E "ERROR SUMMARY|========= (Invalid|Race|Uninit|Barrier)|test result|panicked|exit " "$OUT/san.tmp" | head -20; } | tee -a "$OUT/sanitize.log"
+    rm -f "$OUT/san.tmp"
+  done
+}
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(info tests quick)
 echo "commit $LMHEAD_COMMIT, steps: ${steps[*]}"
 for s in "${steps[@]}"; do
@@ -27,12 +48,7 @@ for s in "${steps[@]}"; do
       for t in ${TESTS:-gpu_units gpu_fwd gpu_bwd tp gpu_reliability tuner reference}; do
         [ -x "$B/$t" ] || continue
         echo "== $t"
-        timeout 280 "$B/$t" --test-threads=1 --nocapture ${FILTER:-} > "$OUT/test.tmp" 2>&1
-        cat "$OUT/test.tmp" >> "$OUT/tests.log"
-        grep -E "^test .*(FAILED|ok)$|test result|panicked|SKIP" "$OUT/test.tmp" | head -60
-        grep -A3 "panicked" "$OUT/test.tmp" | grep -v "^stack\|^ *[0-9]*:" | head -40
-        grep -hE "^\[.*\] (fwd|bwd|tp|rel) " "$OUT/test.tmp" >> "$OUT/records.txt"
-        rm -f "$OUT/test.tmp"
+        run_tests "$t" tests.log "${FILTER:-}"
       done ;;
     fills)
       # Every Hopper plan forced to carry fillers (two vocab splits in raster groups of one token
@@ -42,19 +58,10 @@ for s in "${steps[@]}"; do
         export LMHEAD_FWD_SPLITS=2 LMHEAD_FWD_RASTER=1 LMHEAD_FWD_FILL=1 LMHEAD_BWD_TILES=64 LMHEAD_BWD_RASTER=1 LMHEAD_BWD_FILL=1
         for t in gpu_fwd gpu_bwd; do
           echo "== $t (forced fillers)"
-          timeout 280 "$B/$t" --test-threads=1 --nocapture tile_boundaries > "$OUT/test.tmp" 2>&1
-          cat "$OUT/test.tmp" >> "$OUT/fills.log"
-          grep -E "^test .*(FAILED|ok)$|test result|panicked|SKIP" "$OUT/test.tmp" | head -20
-          grep -A3 "panicked" "$OUT/test.tmp" | grep -v "^stack\|^ *[0-9]*:" | head -20
-          rm -f "$OUT/test.tmp"
+          run_tests "$t" fills.log tile_boundaries
         done
         echo "== sanitizers (forced fillers)" | tee -a "$OUT/sanitize.log"
-        for tool in memcheck racecheck initcheck synccheck; do
-          timeout ${SAN_TIMEOUT:-300} compute-sanitizer --tool "$tool" --error-exitcode 7 "$B/gpu_reliability" --test-threads=1 --nocapture sanitizer_ > "$OUT/san.tmp" 2>&1
-          echo "exit $? (7 = errors found, 124 = timed out)" >> "$OUT/san.tmp"
-          { echo "== $tool"; grep -E "ERROR SUMMARY|========= (Invalid|Race|Uninit|Barrier)|test result|panicked|exit " "$OUT/san.tmp" | head -20; } | tee -a "$OUT/sanitize.log"
-          rm -f "$OUT/san.tmp"
-        done
+        run_sanitizers
       ) ;;
     quick|sweep|entropy|probe|tp|tune-table)
       echo "== bench $s"
@@ -62,14 +69,7 @@ for s in "${steps[@]}"; do
       res="$OUT/bench.jsonl"; [ "$s" = tp ] && res="$OUT/bench-tp.jsonl"; [ "$s" = tune-table ] && res="$OUT/tune-table.jsonl"
       timeout ${BENCH_TIMEOUT:-500} "$B/lmhead-bench" "$s" --out "$res" ${BUDGET:+--budget-s $BUDGET} ${BENCH_ARGS:-} 2>>"$OUT/bench.err" | tee -a "$OUT/bench-$s.md"
       tail -3 "$OUT/bench.err" ;;
-    sanitize)
-      for tool in memcheck racecheck initcheck synccheck; do
-        echo "== compute-sanitizer $tool"
-        timeout ${SAN_TIMEOUT:-300} compute-sanitizer --tool "$tool" --error-exitcode 7 "$B/gpu_reliability" --test-threads=1 --nocapture sanitizer_ > "$OUT/san.tmp" 2>&1
-        echo "exit $? (7 = errors found, 124 = timed out)" >> "$OUT/san.tmp"
-        { echo "== $tool"; grep -E "ERROR SUMMARY|========= (Invalid|Race|Uninit|Barrier)|test result|panicked|exit " "$OUT/san.tmp" | head -20; } | tee -a "$OUT/sanitize.log"
-        rm -f "$OUT/san.tmp"
-      done ;;
+    sanitize) run_sanitizers ;;
     sass)
       # A cubin assembled here by `cargo xtask build-ptx` (target/kernels/lmhead_kernels.cubin),
       # copied into .gpu/: per wgmma kernel, the count of HGMMA and of local-memory accesses.

@@ -282,7 +282,7 @@ pub fn with_fill(plan: SplitPlan, m_tiles: u32, n_tiles: u32, slots: u32, k_step
     let lo = (balance.floor() - 1.0).max(1.0) as u32;
     let hi = ((balance.ceil() + 1.0).max(1.0) as u32).min(last - 1);
     let mut best = (base, plan);
-    for fill in lo..=hi.max(lo).min(last - 1) {
+    for fill in lo..=hi {
         let p = SplitPlan { fill, ..plan };
         let t = makespan_k_steps(p, m_tiles, n_tiles, slots, k_steps);
         if t < best.0 {
