@@ -81,11 +81,7 @@ pub fn fwd_mainloop(
     if tiles_per_split == 0 {
         return Err(Error::Config("tiles_per_split must be ≥ 1".into()));
     }
-    if plan.fill > 0 && (!cfg.is_sm90() || plan.fill >= lmhead_core::split::last_split_len(plan, v_tiles)) {
-        return Err(Error::Config(format!(
-            "forward plan {plan:?}: a fill needs an sm90 config and must be below the last split's length"
-        )));
-    }
+    check_fill(cfg, plan, v_tiles)?;
     let plan = lmhead_core::split::SplitPlan { n_splits: v_tiles.div_ceil(tiles_per_split), ..plan };
     let n_slots = plan.blocks_per_row();
     let pp = partials.check(n_slots as usize * dims.t, 16)?;
@@ -117,6 +113,15 @@ pub fn fwd_mainloop(
     launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
     drop(maps);
     Ok(plan)
+}
+
+/// The kernels' contract on a plan's fill over `n_tiles` tiles: only the `Sm90` kernels read it,
+/// and it stays below the last split's length, so that no block is left without a tile.
+fn check_fill(cfg: TileConfig, plan: lmhead_core::split::SplitPlan, n_tiles: u32) -> Result<()> {
+    if plan.fill > 0 && (!cfg.is_sm90() || plan.fill >= lmhead_core::split::last_split_len(plan, n_tiles)) {
+        return Err(Error::Config(format!("plan {plan:?}: a fill needs an sm90 config and must be below the last split's length")));
+    }
+    Ok(())
 }
 
 /// A vocab chunk of the backward: columns `[begin, begin + width)` of the local vocab, staged
@@ -184,7 +189,9 @@ pub fn bwd_dlogits(
     };
     sc.fill(&mut p);
     let m_tiles = dims.t.div_ceil(cfg.bm as usize) as u32;
-    let plan = crate::plan::bwd(gpu, cfg, m_tiles, stride.div_ceil(cfg.bn as usize) as u32, dims.d);
+    let n_tiles = stride.div_ceil(cfg.bn as usize) as u32;
+    let plan = crate::plan::bwd(gpu, cfg, m_tiles, n_tiles, dims.d);
+    check_fill(cfg, plan, n_tiles)?;
     (p.tiles_per_split, p.raster_group, p.fill) = (plan.tiles_per_split, plan.raster_group, plan.fill);
     let grid = (m_tiles, plan.blocks_per_row());
     // The B map ends at the chunk: rows beyond it load as zeros, as the `cp.async` path's bound.
@@ -319,7 +326,9 @@ fn launch_gemm(
     let (maps, tmaps) = tma_maps_for(cfg, stream, &ops)?;
     p.tmaps = tmaps;
     let m_tiles = m.div_ceil(cfg.bm as usize) as u32;
-    let plan = crate::plan::bwd(gpu, cfg, m_tiles, n.div_ceil(cfg.bn as usize) as u32, k);
+    let n_tiles = n.div_ceil(cfg.bn as usize) as u32;
+    let plan = crate::plan::bwd(gpu, cfg, m_tiles, n_tiles, k);
+    check_fill(cfg, plan, n_tiles)?;
     (p.tiles_per_block, p.raster_group, p.fill) = (plan.tiles_per_split, plan.raster_group, plan.fill);
     let grid = (m_tiles, plan.blocks_per_row());
     launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
