@@ -24,13 +24,11 @@ pub fn run(head: &LmHead, stream: &Arc<CudaStream>, args: &Args) -> lmhead::Resu
     let (h, w) = (up(&hs)?, up(&ws)?);
     let label_host: Vec<i64> = (0..t).map(|i| ((i as u64).wrapping_mul(2_654_435_761) % v as u64) as i64).collect();
     let labels = lmhead::testing::upload(stream, &label_host)?;
-    let z = |n: usize| -> lmhead::Result<CudaSlice<f32>> {
-        stream.alloc_zeros(n).map_err(|_| lmhead::Error::OutOfMemory { what: "config-probe", bytes: 4 * n })
-    };
+    let z = |n: usize| lmhead::testing::zeros::<f32>(stream, n, "config-probe");
     let (mut lp, mut lse, mut ent) = (z(t)?, z(t)?, z(t)?);
     let (gl, ge) = (lmhead::testing::upload(stream, &vec![1.0f32; t])?, lmhead::testing::upload(stream, &vec![0.5f32; t])?);
-    let mut dh: CudaSlice<bf16> = stream.alloc_zeros(t * d).map_err(|_| lmhead::Error::OutOfMemory { what: "dh", bytes: 2 * t * d })?;
-    let mut dw: CudaSlice<bf16> = stream.alloc_zeros(v * d).map_err(|_| lmhead::Error::OutOfMemory { what: "dW", bytes: 2 * v * d })?;
+    let mut dh = lmhead::testing::zeros::<bf16>(stream, t * d, "dh")?;
+    let mut dw = lmhead::testing::zeros::<bf16>(stream, v * d, "dW")?;
     let problem = Problem::new(t, v, d);
     let x = FwdInputs { h: &h, w: &w, labels: &labels, problem };
     let mut gemm = crate::cublas::Gemm::new(stream.clone(), t, v, d)?;

@@ -17,7 +17,7 @@ pub struct Gemm {
 
 impl Gemm {
     pub fn new(stream: Arc<CudaStream>, t: usize, v: usize, d: usize) -> lmhead::Result<Self> {
-        let out = stream.alloc_zeros::<bf16>(t * v).map_err(|_| lmhead::Error::OutOfMemory { what: "cuBLAS logits", bytes: 2 * t * v })?;
+        let out = lmhead::testing::zeros::<bf16>(&stream, t * v, "cuBLAS logits")?;
         let blas = CudaBlas::new(stream).map_err(|e| lmhead::Error::Invalid(format!("cuBLAS: {e:?}")))?;
         Ok(Self { blas, out, t, v, d })
     }

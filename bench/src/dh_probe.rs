@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use lmhead::cudarc::driver::{CudaSlice, CudaStream};
+use lmhead::cudarc::driver::CudaStream;
 use lmhead::launch::{bwd_gemm, dev_in, dev_out, GemmC, GemmIn, GemmOut};
 use lmhead::tune::bench::median;
 use lmhead::{bf16, Family, LmHead};
@@ -20,10 +20,8 @@ pub fn run(head: &LmHead, stream: &Arc<CudaStream>, args: &Args) -> lmhead::Resu
     let reps = args.reps.max(5);
     let a = lmhead::testing::upload_bf16(stream, &random_bf16(t * k, 0.02, 1))?;
     let b = lmhead::testing::upload_bf16(stream, &random_bf16(k * d, 0.02, 2))?;
-    let mut acc: CudaSlice<f32> =
-        stream.alloc_zeros(t * d).map_err(|_| lmhead::Error::OutOfMemory { what: "dh-probe acc", bytes: 4 * t * d })?;
-    let mut out: CudaSlice<bf16> =
-        stream.alloc_zeros(t * d).map_err(|_| lmhead::Error::OutOfMemory { what: "dh-probe out", bytes: 2 * t * d })?;
+    let mut acc = lmhead::testing::zeros::<f32>(stream, t * d, "dh-probe acc")?;
+    let mut out = lmhead::testing::zeros::<bf16>(stream, t * d, "dh-probe out")?;
     let (ad, bd) = (dev_in(&a, stream, "a")?, dev_in(&b, stream, "b")?);
     let (accd, outd) = (dev_out(&mut acc, stream, "acc")?, dev_out(&mut out, stream, "out")?);
     let g = GemmIn { m: t, n: d, k, a: &ad, a_stride: k, b: &bd, b_stride: d };

@@ -146,7 +146,7 @@ fn run_rank(head: &LmHead, stream: &Arc<CudaStream>, r: &Rank, pb: &Problem0<'_>
     let h = lmhead::testing::upload_bf16(stream, pb.h)?;
     let w = lmhead::testing::upload_bf16(stream, &pb.w[shard.v_begin * d..(shard.v_begin + v) * d])?;
     let lab = lmhead::testing::upload(stream, pb.labels)?;
-    let alloc = |n: usize| stream.alloc_zeros::<f32>(n).map_err(|_| lmhead::Error::OutOfMemory { what: "bench outputs", bytes: 4 * n });
+    let alloc = |n: usize| lmhead::testing::zeros::<f32>(stream, n, "bench outputs");
     let (mut lp, mut lse, mut ent, mut lp2, mut lse2) = (alloc(t)?, alloc(t)?, alloc(t)?, alloc(t)?, alloc(t)?);
     let gl = lmhead::testing::upload(stream, &vec![1.0f32; t])?;
     let ge = lmhead::testing::upload(stream, &vec![0.1f32; t])?;

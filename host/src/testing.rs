@@ -45,6 +45,12 @@ pub fn random_bf16_tiled(stream: &Arc<CudaStream>, n: usize, scale: f64, seed: u
     Ok(buf)
 }
 
+/// `n` zeroed elements on the device; an allocation failure is [`Error::OutOfMemory`] naming
+/// `what`.
+pub fn zeros<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(stream: &Arc<CudaStream>, n: usize, what: &'static str) -> Result<CudaSlice<T>> {
+    stream.alloc_zeros::<T>(n).map_err(|_| Error::OutOfMemory { what, bytes: std::mem::size_of::<T>() * n })
+}
+
 /// Upload any plain slice.
 pub fn upload<T: DeviceRepr + Clone>(stream: &Arc<CudaStream>, x: &[T]) -> Result<CudaSlice<T>> {
     stream.clone_htod(x).during(|| "uploading data".into())
