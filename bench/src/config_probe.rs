@@ -1,9 +1,9 @@
-//! `lmhead-bench config-probe --filter T,V,D`: each sm90 forward candidate (log-prob, and with
-//! entropy), then the backward with each sm90 `dh` candidate (the d-logits and `dW` tuned), and
+//! `lmhead-bench config-probe --filter T,V,D[;T,V,D…]`: each sm90 forward candidate (log-prob, and
+//! with entropy) and the tuned forward of both, then the backward with each sm90 `dh` candidate (the d-logits and `dW` tuned), and
 //! the tuned backward, on one shape, beside a cuBLAS GEMM of the same shape and four of them back
 //! to back (the training step's FLOP as one sustained load: what the GEMM baseline itself loses
 //! to the clock when it runs as long as the step). The variants take
-//! turns within each round (in a rotating order), so all see the same clock: what a config costs
+//! turns within each round (in an order shuffled per round), so all see the same clock: what a config costs
 //! in the steady state, without editing a tuning cache. Unless `--no-check`, each forward
 //! variant's log-probs are then checked against the f64 reference on sampled rows.
 
@@ -16,8 +16,20 @@ use lmhead::{bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, Family, FwdInputs,
 use crate::{random_bf16, sample, Args};
 
 pub fn run(head: &LmHead, stream: &Arc<CudaStream>, args: &Args) -> lmhead::Result<()> {
-    let dims: Vec<usize> = args.filter.as_deref().unwrap_or("16384,131072,4096").split(',').filter_map(|x| x.trim().parse().ok()).collect();
-    let [t, v, d] = dims[..] else { return Err(lmhead::Error::Invalid("config-probe: --filter T,V,D".into())) };
+    let mut shapes = Vec::new();
+    for shape in args.filter.as_deref().unwrap_or("16384,131072,4096").split(';') {
+        let dims: Vec<usize> = shape.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+        let [t, v, d] = dims[..] else {
+            return Err(lmhead::Error::Invalid(format!("config-probe: --filter T,V,D[;T,V,D…], not {shape:?}")));
+        };
+        shapes.push((t, v, d));
+    }
+    // Every shape parsed before the first one runs.
+    shapes.into_iter().try_for_each(|s| probe(head, stream, args, s))
+}
+
+/// The probe at one shape.
+fn probe(head: &LmHead, stream: &Arc<CudaStream>, args: &Args, (t, v, d): (usize, usize, usize)) -> lmhead::Result<()> {
     let reps = args.reps.max(3);
     let up = |x: &[u16]| lmhead::testing::upload_bf16(stream, x);
     let (hs, ws) = (random_bf16(t * d, 1.0, 11), random_bf16(v * d, 0.02, 12));
@@ -33,11 +45,13 @@ pub fn run(head: &LmHead, stream: &Arc<CudaStream>, args: &Args) -> lmhead::Resu
     let x = FwdInputs { h: &h, w: &w, labels: &labels, problem };
     let mut gemm = crate::cublas::Gemm::new(stream.clone(), t, v, d)?;
 
-    // The variants: each forward (label, family, config), then each backward (label, choices).
+    // The variants: each forward (label, family, config; `Auto`: the tuned one), then each
+    // backward (label, choices).
     let sm90 = |f: Family| f.candidates().iter().copied().filter(|c| c.is_sm90()).collect::<Vec<_>>();
-    let mut fwd: Vec<(String, Family, lmhead::TileConfig)> = Vec::new();
+    let mut fwd: Vec<(String, Family, Choice)> = Vec::new();
     for f in [Family::Fwd, Family::FwdEnt] {
-        fwd.extend(sm90(f).into_iter().map(|c| (format!("{}_{}", f.stem(), c.suffix(f)), f, c)));
+        fwd.extend(sm90(f).into_iter().map(|c| (format!("{}_{}", f.stem(), c.suffix(f)), f, Choice::Fixed(c))));
+        fwd.push((format!("{} tuned", f.stem()), f, Choice::Auto));
     }
     let mut bwd: Vec<(String, BwdConfigs)> = Vec::new();
     for c in sm90(Family::BwdDh) {
@@ -64,17 +78,17 @@ pub fn run(head: &LmHead, stream: &Arc<CudaStream>, args: &Args) -> lmhead::Resu
     // Variant 0: one GEMM; then the forwards, the backwards; last, four GEMMs back to back.
     let n = 2 + fwd.len() + bwd.len();
     let mut ts: Vec<Vec<f64>> = vec![Vec::new(); n];
-    // Each round starts one variant later, so that no variant always follows the same one (a
-    // slow kernel leaves the board cooler, and the next one clocks higher).
+    // Each round runs the variants in an order of its own (shuffled, seeded by the round), so
+    // that no variant always follows the same one: a variant's time depends on the one before it
+    // (a slow kernel leaves the board cooler, and the next one clocks higher), by up to 5% here.
     for round in 0..reps + 2 {
-        for j in 0..n {
-            let i = (j + round) % n;
+        for i in shuffled(n, round as u64) {
             let ms = if i == 0 {
                 sample(stream, &mut || gemm.run(&h, &w))?
             } else if i == n - 1 {
                 sample(stream, &mut || (0..4).try_for_each(|_| gemm.run(&h, &w)))?
             } else if let Some(&(_, f, c)) = fwd.get(i - 1) {
-                sample(stream, &mut || forward(head, stream, &x, (f, c), &mut lp, &mut lse, &mut ent))?
+                sample(stream, &mut || forward(head, stream, &x, (f, c), &mut lp, &mut lse, &mut ent).map(|_| ()))?
             } else {
                 let bo = BwdOptions { config: bwd[i - 1 - fwd.len()].1, ..Default::default() };
                 sample(stream, &mut || head.backward(stream, &bx, &bo, GradOut::Bf16(&mut dh), Some(GradOut::Bf16(&mut dw))).map(|_| ()))?
@@ -86,10 +100,19 @@ pub fn run(head: &LmHead, stream: &Arc<CudaStream>, args: &Args) -> lmhead::Resu
     }
     let med: Vec<f64> = ts.iter_mut().map(|x| median(x)).collect();
     let g = med[0];
-    println!("# config-probe t={t} v={v} d={d} rounds={reps}: cuBLAS {g:.3} ms");
-    let labels = fwd.iter().map(|f| f.0.clone()).chain(bwd.iter().map(|b| b.0.clone())).chain(["cuBLAS x4 back to back".into()]);
+    println!("# config-probe t={t} v={v} d={d} rounds={reps} (order shuffled per round): cuBLAS {g:.3} ms");
+    // The tuned forwards' labels name the config and plan they ran.
+    let mut fwd_labels = Vec::new();
+    for (label, f, c) in &fwd {
+        let r = forward(head, stream, &x, (*f, *c), &mut lp, &mut lse, &mut ent)?;
+        fwd_labels.push(match (c, r.config) {
+            (Choice::Auto, Some(cfg)) => format!("{label}: {} splits {} fill {}", cfg.suffix(*f), r.n_splits, r.fill),
+            _ => format!("{label}: splits {} fill {}", r.n_splits, r.fill),
+        });
+    }
+    let labels = fwd_labels.into_iter().chain(bwd.iter().map(|b| b.0.clone())).chain(["cuBLAS x4 back to back".into()]);
     for (label, ms) in labels.zip(&med[1..]) {
-        println!("{label:<72} {ms:9.3} ms {:7.3}x", ms / g);
+        println!("{label:<88} {ms:9.3} ms {:7.3}x", ms / g);
     }
     if args.check {
         let mut worst = 0.0f64;
@@ -103,17 +126,27 @@ pub fn run(head: &LmHead, stream: &Arc<CudaStream>, args: &Args) -> lmhead::Resu
     Ok(())
 }
 
-/// One forward of `family` (log-prob, or with entropy) at `cfg`, the labels unchecked.
+/// `0..n` in the order of a Fisher–Yates shuffle seeded by `seed`.
+fn shuffled(n: usize, seed: u64) -> Vec<usize> {
+    let mut rng = lmhead_reference::rng::Rng::new(seed);
+    let mut order: Vec<usize> = (0..n).collect();
+    for k in (1..n).rev() {
+        order.swap(k, (rng.next_u64() % (k as u64 + 1)) as usize);
+    }
+    order
+}
+
+/// One forward of `family` (log-prob, or with entropy) at `config`, the labels unchecked.
 fn forward(
     head: &LmHead,
     stream: &Arc<CudaStream>,
     x: &FwdInputs<'_, i64>,
-    (family, cfg): (Family, lmhead::TileConfig),
+    (family, config): (Family, Choice),
     lp: &mut CudaSlice<f32>,
     lse: &mut CudaSlice<f32>,
     ent: &mut CudaSlice<f32>,
-) -> lmhead::Result<()> {
-    let o = FwdOptions { config: Choice::Fixed(cfg), check_labels: false, ..Default::default() };
+) -> lmhead::Result<lmhead::FwdReport> {
+    let o = FwdOptions { config, check_labels: false, ..Default::default() };
     let entropy = (family == Family::FwdEnt).then_some(ent as _);
-    head.forward(stream, x, &o, FwdOutputs { logprob: lp, lse, entropy }).map(|_| ())
+    head.forward(stream, x, &o, FwdOutputs { logprob: lp, lse, entropy })
 }
