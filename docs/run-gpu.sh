@@ -2,7 +2,7 @@
 # Runs on the GPU machine (no Rust there): the bundled test and bench binaries from `.gpu/`
 # (built by `cargo xtask gpu-bundle`). Usage, from the repository root on that machine:
 #
-#   bash .gpu/run-gpu.sh [steps...]     steps: info tests fills quick sweep probe entropy tp tune-table sanitize sass (default: info tests quick)
+#   bash .gpu/run-gpu.sh [steps...]     steps: info tests fills quick sweep probe entropy tp tune-table sanitize ncu sass (default: info tests quick)
 #
 # Logs go to $OUT (or ./gpu-out when OUT is unset). Each step has a time limit so that one hung
 # step cannot eat the whole session. Set FILTER to pass a test-name filter to the test binaries,
@@ -70,6 +70,34 @@ for s in "${steps[@]}"; do
       timeout ${BENCH_TIMEOUT:-500} "$B/lmhead-bench" "$s" --out "$res" ${BUDGET:+--budget-s $BUDGET} ${BENCH_ARGS:-} 2>>"$OUT/bench.err" | tee -a "$OUT/bench-$s.md"
       tail -3 "$OUT/bench.err" ;;
     sanitize) run_sanitizers ;;
+    ncu)
+      # The per-kernel account (docs/PERFORMANCE.md, *What limits each kernel*) at each sweep case
+      # named in the file NCU_CASES (one per line; `bench/scripts/ncu_table.py --cases`), into
+      # $OUT/ncu.txt, one "== <case>" line before each: one unprofiled run fills the tuning cache,
+      # so that nothing is tuned under the profiler; cases also named in NCU_APP_REPLAY run with
+      # application replay and without the XU metric (kernel replay backs their buffers up in host
+      # memory, minutes per kernel). BUDGET: stop before a case once that many seconds are spent;
+      # NCU_SKIP=<n> resumes after the first n cases.
+      m='gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,regex:sm__pipe_.*tensor.*cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_active.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct,dram__throughput.avg.pct_of_peak_sustained_elapsed'
+      n=0
+      for c in $(tail -n +$(( ${NCU_SKIP:-0} + 1 )) "${NCU_CASES:?NCU_CASES: a file of sweep case names}"); do
+        if [ -n "${BUDGET:-}" ] && [ $(( $(date +%s) - t0 )) -ge "$BUDGET" ]; then
+          echo "budget spent: stopped before $c; resume with NCU_SKIP=$(( ${NCU_SKIP:-0} + n ))"; break
+        fi
+        c0=$(date +%s)
+        "$B/lmhead-bench" sweep --filter "$c" --reps 1 --no-check --out "$OUT/ncu-fill.jsonl" > /dev/null 2>> "$OUT/bench.err"
+        if [[ " ${NCU_APP_REPLAY:-} " == *" $c "* ]]; then
+          args=(--replay-mode application --metrics "$m")
+        else
+          args=(--metrics "$m,regex:sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active")
+        fi
+        echo "== $c" >> "$OUT/ncu.txt"
+        timeout ${NCU_TIMEOUT:-300} ncu --clock-control none --print-summary per-kernel --launch-count 16 \
+          -k regex:'lm_head_fwd_t|lm_head_fwd_ent_t|lm_head_bwd_dlogits|lm_head_bwd_dh|lm_head_bwd_dw|nvjet' "${args[@]}" \
+          "$B/lmhead-bench" sweep --filter "$c" --reps 1 --no-check --out /dev/null >> "$OUT/ncu.txt" 2>&1
+        echo "$c: exit $?, $(( $(date +%s) - c0 )) s"
+        n=$(( n + 1 ))
+      done ;;
     sass)
       # A cubin assembled here by `cargo xtask build-ptx` (target/kernels/lmhead_kernels.cubin),
       # copied into .gpu/: per wgmma kernel, the count of HGMMA and of local-memory accesses.

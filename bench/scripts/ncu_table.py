@@ -3,6 +3,11 @@
 reproduce*: the per-shape command, one `== <case>` line before each case's output).
 
     python3 bench/scripts/ncu_table.py ncu.txt [sweep.jsonl ...] > table.md
+    python3 bench/scripts/ncu_table.py --cases sweep.jsonl ... > ncu-cases.txt
+
+`--cases`: the names of the sweep cases whose cuBLAS GEMM took at least 12 ms in the records
+given (one case per local shape, the latest record's, cheapest first): the input of
+`run-gpu.sh ncu` (`NCU_CASES`).
 
 For each case: the cuBLAS GEMM (`nvjet`), the forward, the forward with entropy, and one full
 vocab chunk of the d-logits, `dh` and `dW` (the profiled group of each kernel with the most
@@ -110,16 +115,31 @@ def table(text):
     return out, summary, sums
 
 
-def main():
-    text = open(sys.argv[1]).read()
-    rows, summary, sums = table(text)
-    bench = {}
-    for f in sys.argv[2:]:
+def records(files):
+    """The latest sweep record per local shape `(t, v, d)` in `files`."""
+    rows = {}
+    for f in files:
         for line in open(f):
             if line.strip():
                 r = json.loads(line)["row"]
                 c = r["case"]
-                bench[(c["t"], c["v"], c["d"])] = r["fwd_bwd"]["p50"] / r["gemm"]["p50"]
+                rows[(c["t"], c["v"], c["d"])] = r
+    return rows
+
+
+def large_cases(files, min_gemm_ms=12.0):
+    """The case names of the shapes whose GEMM took at least `min_gemm_ms`, cheapest first."""
+    big = sorted((r["gemm"]["p50"], r["case"]) for r in records(files).values() if r["gemm"]["p50"] >= min_gemm_ms)
+    return [f"{c['model']}/tok{c['tokens'] // 1024}k/tp{c['tp']}cp{c['cp']}" for _, c in big]
+
+
+def main():
+    if sys.argv[1] == "--cases":
+        print("\n".join(large_cases(sys.argv[2:])))
+        return
+    text = open(sys.argv[1]).read()
+    rows, summary, sums = table(text)
+    bench = {k: r["fwd_bwd"]["p50"] / r["gemm"]["p50"] for k, r in records(sys.argv[2:]).items()}
     print("\n".join(rows))
     print()
     print("| kernel | shapes | median × GEMM per FLOP | range | clock low | SMs idle | tensor low | DRAM |")
