@@ -74,7 +74,8 @@ for s in "${steps[@]}"; do
       # The per-kernel account (docs/PERFORMANCE.md, *What limits each kernel*) at each sweep case
       # named in the file NCU_CASES (one per line; `bench/scripts/ncu_table.py --cases`), into
       # $OUT/ncu.txt, one "== <case>" line before each: one unprofiled run fills the tuning cache,
-      # so that nothing is tuned under the profiler; cases also named in NCU_APP_REPLAY run with
+      # so that nothing is tuned under the profiler (NCU_FILL=0: not run, when the cache already
+      # holds the cases' keys); cases also named in NCU_APP_REPLAY run with
       # application replay and without the XU metric (kernel replay backs their buffers up in host
       # memory, minutes per kernel). BUDGET: stop before a case once that many seconds are spent;
       # NCU_SKIP=<n> resumes after the first n cases.
@@ -85,7 +86,7 @@ for s in "${steps[@]}"; do
           echo "budget spent: stopped before $c; resume with NCU_SKIP=$(( ${NCU_SKIP:-0} + n ))"; break
         fi
         c0=$(date +%s)
-        "$B/lmhead-bench" sweep --filter "$c" --reps 1 --no-check --out "$OUT/ncu-fill.jsonl" > /dev/null 2>> "$OUT/bench.err"
+        [ "${NCU_FILL:-1}" = 0 ] || "$B/lmhead-bench" sweep --filter "$c" --reps 1 --no-check --out "$OUT/ncu-fill.jsonl" > /dev/null 2>> "$OUT/bench.err"
         if [[ " ${NCU_APP_REPLAY:-} " == *" $c "* ]]; then
           args=(--replay-mode application --metrics "$m")
         else

@@ -3,6 +3,7 @@
 reproduce*: the per-shape command, one `== <case>` line before each case's output).
 
     python3 bench/scripts/ncu_table.py ncu.txt [sweep.jsonl ...] > table.md
+    python3 bench/scripts/ncu_table.py --compact ncu.txt [sweep.jsonl ...] > per-shape.md
     python3 bench/scripts/ncu_table.py --cases sweep.jsonl ... > ncu-cases.txt
 
 `--cases`: the names of the sweep cases whose cuBLAS GEMM took at least 12 ms in the records
@@ -20,6 +21,11 @@ cuBLAS's). Then per kernel the median and range over the cases, and per case the
 training step's kernels (forward with entropy, d-logits, `dh`, `dW`) per FLOP in time and in SM
 cycles (time × clock: what the sum would be if every kernel ran at the GEMM's clock) beside the
 step's ratio in the steady state (`fwd_bwd / gemm` of the sweep records given, by shape).
+
+`--compact`: one row per case instead (docs/PERFORMANCE.md's per-shape table): the GEMM's time,
+each kernel's time per FLOP, the forward's three factors (clock, SMs active, tensor pipe: the
+GEMM's over the forward's), its DRAM throughput, the step's kernels summed in cycles, and the
+step in the bench.
 """
 import json
 import re
@@ -43,6 +49,8 @@ METRICS = {
     "lts__t_sector_hit_rate.pct": "hit",
     "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram",
 }
+# Durations in milliseconds.
+TIME_UNITS = {"s": 1e3, "ms": 1.0, "us": 1e-3, "ns": 1e-6}
 GROUP = re.compile(r"^  (\S+) \((\d+), (\d+), 1\)x\(\d+, 1, 1\).*Invocations (\d+)")
 
 
@@ -59,7 +67,8 @@ def cases(text):
                 continue
             f = line.split()
             if cur is not None and len(f) >= 5 and f[0] in METRICS:
-                cur[METRICS[f[0]]] = float(f[-1].replace(",", ""))
+                # ncu picks a duration's unit per value (`ms`, or `us` for short kernels).
+                cur[METRICS[f[0]]] = float(f[-1].replace(",", "")) * TIME_UNITS.get(f[1], 1.0)
         if row and groups:
             t, v, d = int(row[1]), int(row[2]), int(row[3])
             ch = re.search(r"chunk (\d+)", row[4])
@@ -76,7 +85,7 @@ def table(text):
         "| shape (t × v × d), chunk | kernel | ms | × GEMM per FLOP | account | SM clock | SMs active | tensor pipe | L2 (hit) | DRAM | limit |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    summary, sums = [], []
+    summary, sums, compact = [], [], []
     for case, (t, v, d, chunk), groups in cases(text):
         k = {kind: pick(groups, test) for kind, test in KINDS}
         g = k["cuBLAS"]
@@ -84,13 +93,16 @@ def table(text):
             continue
         first = True
         step, cycles = 0.0, 0.0
+        per = {}
         for kind, _ in KINDS:
             x = k[kind]
             if x is None:
                 continue
             share = 1.0 if kind in ("cuBLAS", "fwd", "fwd+ent") else chunk / v
             per_flop = x["ms"] / (g["ms"] * share)
-            acct = (g["clk"] / x["clk"]) * (g["tensor"] / x["tensor"]) * (g["active"] / x["active"])
+            factors = (g["clk"] / x["clk"], g["active"] / x["active"], g["tensor"] / x["tensor"])
+            acct = factors[0] * factors[1] * factors[2]
+            per[kind] = (per_flop, factors, x)
             lim = []
             if kind != "cuBLAS":
                 if g["clk"] - x["clk"] >= 0.03:
@@ -112,7 +124,27 @@ def table(text):
                 f"| {x['tensor']:.1f}% | {x['l2']:.0f}% ({x['hit']:.0f}%) | {x['dram']:.0f}% | {', '.join(lim)} |"
             )
         sums.append(((t, v, d, chunk), step, cycles))
-    return out, summary, sums
+        compact.append(((t, v, d, chunk), g, per, cycles))
+    return out, summary, sums, compact
+
+
+def compact_rows(compact, bench):
+    """One row per shape: the GEMM, each kernel's time per FLOP, the forward's account factors."""
+    out = [
+        "| local t × v × d (chunk) | GEMM ms (ncu) | fwd | fwd: clock · SMs · tensor | fwd DRAM | fwd+ent | d-logits | `dh` | `dW` | Σ step, cycles | step (bench) |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (t, v, d, chunk), g, per, cycles in compact:
+        cell = lambda k: f"{per[k][0]:.2f}" if k in per else "–"
+        fwd = per.get("fwd")
+        acct = " · ".join(f"{f:.3f}" if i else f"{f:.2f}" for i, f in enumerate(fwd[1])) if fwd else "–"
+        dram = f"{fwd[2]['dram']:.0f}%" if fwd else "–"
+        b = bench.get((t, v, d))
+        out.append(
+            f"| {t} × {v} × {d} ({chunk}) | {g['ms']:.1f} | {cell('fwd')} | {acct} | {dram} | {cell('fwd+ent')} | {cell('d-logits')} "
+            f"| {cell('dh')} | {cell('dW')} | {cycles:.2f} | {f'{b:.2f}' if b is not None else '–'} |"
+        )
+    return out
 
 
 def records(files):
@@ -137,9 +169,14 @@ def main():
     if sys.argv[1] == "--cases":
         print("\n".join(large_cases(sys.argv[2:])))
         return
-    text = open(sys.argv[1]).read()
-    rows, summary, sums = table(text)
-    bench = {k: r["fwd_bwd"]["p50"] / r["gemm"]["p50"] for k, r in records(sys.argv[2:]).items()}
+    compact_only = sys.argv[1] == "--compact"
+    args = sys.argv[2:] if compact_only else sys.argv[1:]
+    text = open(args[0]).read()
+    rows, summary, sums, compact = table(text)
+    bench = {k: r["fwd_bwd"]["p50"] / r["gemm"]["p50"] for k, r in records(args[1:]).items()}
+    if compact_only:
+        print("\n".join(compact_rows(compact, bench)))
+        return
     print("\n".join(rows))
     print()
     print("| kernel | shapes | median × GEMM per FLOP | range | clock low | SMs idle | tensor low | DRAM |")
