@@ -20,7 +20,9 @@ and the factors more than a point (or 30 MHz) below cuBLAS's (DRAM when at least
 cuBLAS's). Then per kernel the median and range over the cases, and per case the sum of the
 training step's kernels (forward with entropy, d-logits, `dh`, `dW`) per FLOP in time and in SM
 cycles (time × clock: what the sum would be if every kernel ran at the GEMM's clock) beside the
-step's ratio in the steady state (`fwd_bwd / gemm` of the sweep records given, by shape).
+step's ratio in the steady state (`fwd_bwd / gemm` of the sweep records given, by shape), and
+per case `dh`'s and `dW`'s SMs active against the whole-tile wave bound
+`tiles / (132 · ⌈tiles / 132⌉)`.
 
 `--compact`: one row per case instead (docs/PERFORMANCE.md's per-shape table): the GEMM's time,
 each kernel's time per FLOP, the forward's three factors (clock, SMs active, tensor pipe: the
@@ -128,6 +130,28 @@ def table(text):
     return out, summary, sums, compact
 
 
+def wave_rows(compact, slots=132):
+    """`dh` and `dW`: SMs active against the whole-tile wave bound `tiles / (slots · ⌈tiles /
+    slots⌉)` (each block's tiles run the full K, so no tile-granular schedule beats it)."""
+    out = [
+        "| local t × v × d (chunk) | `dh` tiles | bound | SMs active | `dW` tiles | bound | SMs active |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (t, v, d, chunk), _, per, _ in compact:
+        cells = []
+        for kind, rows in (("dh", t), ("dW", chunk)):
+            x = per.get(kind)
+            m = x and re.search(r"_m(\d+)_n(\d+)_", x[2]["name"])
+            if not m:
+                cells += ["–"] * 3
+                continue
+            tiles = -(-rows // int(m[1])) * -(-d // int(m[2]))
+            bound = 100 * tiles / (slots * -(-tiles // slots))
+            cells += [str(tiles), f"{bound:.1f}%", f"{x[2]['active']:.1f}%"]
+        out.append(f"| {t} × {v} × {d} ({chunk}) | " + " | ".join(cells) + " |")
+    return out
+
+
 def compact_rows(compact, bench):
     """One row per shape: the GEMM, each kernel's time per FLOP, the forward's account factors."""
     out = [
@@ -189,6 +213,8 @@ def main():
         med = statistics.median(r)
         cnt = lambda p: sum(any(l.startswith(p) for l in x[2]) for x in s)
         print(f"| {kind} | {len(s)} | {med:.2f} | {r[0]:.2f}–{r[-1]:.2f} | {cnt('clock')} | {cnt('idle')} | {cnt('tensor')} | {cnt('DRAM')} |")
+    print()
+    print("\n".join(wave_rows(compact)))
     if bench:
         print()
         print("| shape (t × v × d), chunk | Σ step kernels, time per FLOP (ncu) | the same in cycles | step in the bench | bench − cycles |")
