@@ -1,11 +1,12 @@
-//! `lmhead-bench config-probe --filter T,V,D[;T,V,D…]`: each sm90 forward candidate (log-prob, and
-//! with entropy) and the tuned forward of both, then the backward with each sm90 `dh` candidate (the d-logits and `dW` tuned), and
-//! the tuned backward, on one shape, beside a cuBLAS GEMM of the same shape and four of them back
-//! to back (the training step's FLOP as one sustained load: what the GEMM baseline itself loses
-//! to the clock when it runs as long as the step). The variants take
-//! turns within each round (in an order shuffled per round), so all see the same clock: what a config costs
-//! in the steady state, without editing a tuning cache. Unless `--no-check`, each forward
-//! variant's log-probs are then checked against the f64 reference on sampled rows.
+//! `lmhead-bench config-probe --filter T,V,D[;T,V,D…]`, at each shape in turn: each sm90 forward
+//! candidate (log-prob, and with entropy) and the tuned forward of both, then the backward with
+//! each sm90 `dh` candidate (the d-logits and `dW` tuned) and the tuned backward, beside a cuBLAS
+//! GEMM of the same shape and four of them back to back (the training step's FLOP as one
+//! sustained load: what the GEMM baseline itself loses to the clock when it runs as long as the
+//! step). The variants take turns within each round (in an order shuffled per round), so all see
+//! the same clock: what a config costs in the steady state, without editing a tuning cache.
+//! Unless `--no-check`, each forward variant's log-probs are then checked against the f64
+//! reference on sampled rows.
 
 use std::sync::Arc;
 
