@@ -1,0 +1,62 @@
+//! `bench/scripts/ncu_table.py`, which turns ncu's per-kernel summaries into the per-shape account
+//! of `docs/PERFORMANCE.md`, on one recorded case (`data/ncu-case.txt`: the 8192 × 248320 × 2048
+//! case of `docs/results/ncu-sweep-2026-12-01.txt`, ncu's progress lines and the tensor-pipe
+//! sub-metrics left out) and its sweep record (`data/sweep-case.jsonl`). Needs `python3`; without
+//! it each test prints why it skips.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn data(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(name)
+}
+
+/// The script's standard output for `args`, or `None` (the reason printed) without `python3`.
+fn table(args: &[&Path]) -> Option<String> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/ncu_table.py");
+    let out = match Command::new("python3").arg("-B").arg(script).args(args).output() {
+        Ok(out) => out,
+        Err(e) => {
+            println!("SKIP: python3 did not run ({e})");
+            return None;
+        }
+    };
+    assert!(out.status.success(), "ncu_table.py failed: {}", String::from_utf8_lossy(&out.stderr));
+    Some(String::from_utf8(out.stdout).expect("utf-8 output"))
+}
+
+fn has(text: &str, line: &str) {
+    assert!(text.lines().any(|l| l == line), "no line\n{line}\nin\n{text}");
+}
+
+#[test]
+fn per_kernel_rows_wave_bound_and_step_sum() {
+    let Some(text) = table(&[&data("ncu-case.txt"), &data("sweep-case.jsonl")]) else { return };
+    // `dh`: 1.34 ms for 31232 of 248320 columns against the GEMM's 10.45 ms; clock, SMs and
+    // tensor pipe against cuBLAS's 1.60 GHz, 99.8%, 93.2%.
+    has(&text, "|  | dh | 1.34 | 1.02 | 1.02 | 1.54 | 95.7% | 98.6% | 77% (58%) | 41% | clock −4%, idle SMs −4.1%, DRAM |");
+    has(&text, "| 8192 × 248320 × 2048 (31232) | 512 | 97.0% | 95.7% | 1952 | 98.6% | 97.8% |");
+    has(&text, "| 8192 × 248320 × 2048, 31232 | 4.25 | 4.19 | 4.15 | -0.03 |");
+}
+
+#[test]
+fn durations_in_microseconds_read_as_milliseconds() {
+    let recorded = std::fs::read_to_string(data("ncu-case.txt")).unwrap();
+    // ncu writes a short kernel's duration in `us`: the same `dh` group, so written.
+    let (ms, us) = ("ms    1.33    1.34    1.34", "us 1330.00 1340.00 1340.00");
+    assert_eq!(recorded.matches(ms).count(), 1, "the fixture's dh duration line");
+    let path = std::env::temp_dir().join(format!("ncu-case-us-{}.txt", std::process::id()));
+    std::fs::write(&path, recorded.replace(ms, us)).unwrap();
+    let got = table(&[&path, &data("sweep-case.jsonl")]);
+    std::fs::remove_file(&path).unwrap();
+    let (Some(got), Some(want)) = (got, table(&[&data("ncu-case.txt"), &data("sweep-case.jsonl")])) else { return };
+    assert_eq!(got, want);
+}
+
+#[test]
+fn cases_and_compact_rows() {
+    let Some(cases) = table(&[Path::new("--cases"), &data("sweep-case.jsonl")]) else { return };
+    assert_eq!(cases, "qwen3.6-35b-a3b/tok16k/tp1cp2\n");
+    let Some(compact) = table(&[Path::new("--compact"), &data("ncu-case.txt"), &data("sweep-case.jsonl")]) else { return };
+    has(&compact, "| 8192 × 248320 × 2048 (31232) | 10.4 | 1.03 | 1.02 · 1.008 · 1.017 | 14% | 1.05 | 1.12 | 1.02 | 1.06 | 4.19 | 4.15 |");
+}
