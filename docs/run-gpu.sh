@@ -79,7 +79,7 @@ for s in "${steps[@]}"; do
       # application replay and without the XU metric (kernel replay backs their buffers up in host
       # memory, minutes per kernel). BUDGET: stop before a case once that many seconds are spent;
       # NCU_SKIP=<n> resumes after the first n cases.
-      m='gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,regex:sm__pipe_.*tensor.*cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_active.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct,dram__throughput.avg.pct_of_peak_sustained_elapsed'
+      m='gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,sm__cycles_active.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct,dram__throughput.avg.pct_of_peak_sustained_elapsed'
       n=0
       for c in $(tail -n +$(( ${NCU_SKIP:-0} + 1 )) "${NCU_CASES:?NCU_CASES: a file of sweep case names}"); do
         if [ -n "${BUDGET:-}" ] && [ $(( $(date +%s) - t0 )) -ge "$BUDGET" ]; then
