@@ -83,7 +83,7 @@ fn probe(head: &LmHead, stream: &Arc<CudaStream>, args: &Args, (t, v, d): (usize
     // that no variant always follows the same one: a variant's time depends on the one before it
     // (a slow kernel leaves the board cooler, and the next one clocks higher), by up to 5% here.
     for round in 0..reps + 2 {
-        for i in shuffled(n, round as u64) {
+        for i in crate::shuffled(n, round as u64) {
             let ms = if i == 0 {
                 sample(stream, &mut || gemm.run(&h, &w))?
             } else if i == n - 1 {
@@ -125,16 +125,6 @@ fn probe(head: &LmHead, stream: &Arc<CudaStream>, args: &Args, (t, v, d): (usize
         println!("# every forward variant checked against the f64 reference (rows 0, t/3, t - 1): max |Δ log-prob| {worst:.1e}");
     }
     Ok(())
-}
-
-/// `0..n` in the order of a Fisher–Yates shuffle seeded by `seed`.
-fn shuffled(n: usize, seed: u64) -> Vec<usize> {
-    let mut rng = lmhead_reference::rng::Rng::new(seed);
-    let mut order: Vec<usize> = (0..n).collect();
-    for k in (1..n).rev() {
-        order.swap(k, (rng.next_u64() % (k as u64 + 1)) as usize);
-    }
-    order
 }
 
 /// One forward of `family` (log-prob, or with entropy) at `config`, the labels unchecked.

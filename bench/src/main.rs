@@ -6,7 +6,7 @@
 //!              [--filter SUBSTR] [--budget-s N]
 //!              [--reps N] [--out results.jsonl] [--fallback | --fixed | --versus-fixed]
 //!              [--no-check] [--skip N]
-//!              [--bwd-chunk N] [--check-labels] [--resume FILE]
+//!              [--bwd-chunk N] [--check-labels] [--shuffle] [--resume FILE]
 //! ```
 //!
 //! `--fixed` runs without tuning on each family's best fixed config from the shipped table (the
@@ -19,7 +19,8 @@
 //! the `--resume` files and records every candidate (see `table.rs`).
 //!
 //! `dh-probe --filter T,K,D` times one `dh` chunk per epilogue (`dh_probe.rs`); `config-probe
-//! --filter T,V,D` each sm90 forward and `dh` candidate in the steady state (`config_probe.rs`).
+//! --filter T,V,D[;T,V,D…]` each sm90 forward and `dh` candidate in the steady state
+//! (`config_probe.rs`).
 //!
 //! `--check-labels` times the forwards with `FwdOptions::check_labels` on (the label check
 //! kernel and its synchronous 8-byte read before each forward); by default it is off, so the
@@ -27,8 +28,9 @@
 //!
 //! Measurement hygiene: random inputs (never zeros); tuning and warm-up of every operation before
 //! any timing; then `--reps` rounds, each timing cuBLAS, the forward, the forward with entropy
-//! and (first 5 rounds) forward+backward once in turn with CUDA events, so that all see the same
-//! clock and temperature (the H200 runs these shapes at its power limit); the median of the
+//! and (first 5 rounds) forward+backward once in turn with CUDA events (in that order, or with
+//! `--shuffle` in an order shuffled per round), so that all see the same clock and temperature
+//! (the H200 runs these shapes at its power limit); the median of the
 //! rounds (p20/p80 kept); operands are not rotated, but `W` is at least twice the 60 MB L2 at
 //! every suite shape; and a check of the timed runs' log-probs on sampled rows against the f64
 //! reference, so a fast wrong kernel cannot win. FLOPs: one logits GEMM is `2·t·v·d`;
@@ -76,6 +78,9 @@ pub struct Args {
     pub bwd_chunk: Option<usize>,
     /// Time the forwards with the label check on.
     pub check_labels: bool,
+    /// `--shuffle`: each round times cuBLAS and the fused operations in an order of its own
+    /// ([`shuffled`], seeded by the round) instead of always in the same one.
+    pub shuffle: bool,
     /// `tune-table`: result files of earlier runs whose shapes are skipped.
     pub resume: Vec<String>,
 }
@@ -94,6 +99,7 @@ fn parse_args() -> Result<Args, String> {
         skip: 0,
         bwd_chunk: None,
         check_labels: false,
+        shuffle: false,
         resume: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
@@ -108,6 +114,7 @@ fn parse_args() -> Result<Args, String> {
             "--versus-fixed" => a.versus_fixed = true,
             "--no-check" => a.check = false,
             "--check-labels" => a.check_labels = true,
+            "--shuffle" => a.shuffle = true,
             "--bwd-chunk" => {
                 a.bwd_chunk = Some(it.next().ok_or("--bwd-chunk needs a value")?.parse().map_err(|e| format!("--bwd-chunk: {e}"))?)
             }
@@ -122,6 +129,16 @@ fn parse_args() -> Result<Args, String> {
         return Err("--fallback, --fixed and --versus-fixed exclude each other".into());
     }
     Ok(a)
+}
+
+/// `0..n` in the order of a Fisher–Yates shuffle seeded by `seed`.
+pub fn shuffled(n: usize, seed: u64) -> Vec<usize> {
+    let mut rng = Rng::new(seed);
+    let mut order: Vec<usize> = (0..n).collect();
+    for k in (1..n).rev() {
+        order.swap(k, (rng.next_u64() % (k as u64 + 1)) as usize);
+    }
+    order
 }
 
 /// Random bf16 data in parallel (SplitMix per chunk): `N(0, scale²)`-ish via a sum of uniforms.
@@ -309,20 +326,34 @@ fn measure(heads: &[&LmHead], stream: &Arc<CudaStream>, c: &Case, args: &Args, s
     let bwd_reps = args.reps.clamp(1, 5);
     let mut t_gemm = Vec::new();
     for r in 0..args.reps {
-        t_gemm.push(sample(stream, &mut || blas.run(&h, &w))?);
         // Several heads take turns going first, so that none always runs right after cuBLAS
         // (at identical configs a fixed order showed a bias of about ±0.5%).
         if r > 0 {
             ops.rotate_left(1);
         }
-        for o in ops.iter_mut() {
-            let ms = sample(stream, &mut || o.run(stream, &data, Op::Fwd))?;
-            o.t.fwd.push(ms);
-            let ms = sample(stream, &mut || o.run(stream, &data, Op::FwdEnt))?;
-            o.t.ent.push(ms);
+        // The round's timings: cuBLAS, then each head's operations, in this order or, with
+        // `--shuffle`, in an order of the round's own (so that no operation always runs right
+        // after the same one: a kernel's clock depends on what ran before it).
+        let mut round: Vec<Option<(usize, Op)>> = vec![None];
+        for i in 0..ops.len() {
+            round.extend([Some((i, Op::Fwd)), Some((i, Op::FwdEnt))]);
             if c.backward && r < bwd_reps {
-                let ms = sample(stream, &mut || o.run(stream, &data, Op::FwdBwd))?;
-                o.t.bwd.push(ms);
+                round.push(Some((i, Op::FwdBwd)));
+            }
+        }
+        let order: Vec<usize> = if args.shuffle { shuffled(round.len(), r as u64) } else { (0..round.len()).collect() };
+        for j in order {
+            match round[j] {
+                None => t_gemm.push(sample(stream, &mut || blas.run(&h, &w))?),
+                Some((i, op)) => {
+                    let o = &mut ops[i];
+                    let ms = sample(stream, &mut || o.run(stream, &data, op))?;
+                    match op {
+                        Op::Fwd => o.t.fwd.push(ms),
+                        Op::FwdEnt => o.t.ent.push(ms),
+                        Op::FwdBwd => o.t.bwd.push(ms),
+                    }
+                }
             }
         }
     }
@@ -409,7 +440,7 @@ fn main() {
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp|tune-table|dh-probe|config-probe] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback | --fixed | --versus-fixed] [--no-check] [--skip N] [--bwd-chunk N] [--check-labels] [--resume FILE]");
+            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp|tune-table|dh-probe|config-probe] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback | --fixed | --versus-fixed] [--no-check] [--skip N] [--bwd-chunk N] [--check-labels] [--shuffle] [--resume FILE]");
             std::process::exit(2);
         }
     };
@@ -564,12 +595,15 @@ fn main() {
                         r.bwd_cfg
                     );
                     if let Some(o) = out.as_mut() {
-                        let rec = json!({
+                        let mut rec = json!({
                             "gpu": info.name, "driver": info.driver_version, "commit": commit(), "suite": args.suite,
                             "timestamp": crate::unix_now(),
                             "tuning": tuning,
                             "row": r,
                         });
+                        if args.shuffle {
+                            rec["order"] = json!("shuffled");
+                        }
                         let _ = writeln!(o, "{rec}");
                     }
                 }
@@ -578,6 +612,29 @@ fn main() {
         }
         for (h, _) in &heads {
             h.release_workspace();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shuffled;
+
+    #[test]
+    fn shuffled_orders_are_permutations_that_vary_by_round() {
+        for n in [1, 2, 4, 15] {
+            for seed in 0..8 {
+                let mut o = shuffled(n, seed);
+                o.sort_unstable();
+                assert_eq!(o, (0..n).collect::<Vec<_>>(), "n {n} seed {seed}");
+            }
+        }
+        // Over rounds, each of four operations follows more than one predecessor.
+        let rounds: Vec<Vec<usize>> = (0..8).map(|r| shuffled(4, r)).collect();
+        for x in 0..4 {
+            let before: std::collections::BTreeSet<Option<usize>> =
+                rounds.iter().map(|o| o.iter().position(|&y| y == x).and_then(|p| p.checked_sub(1)).map(|p| o[p])).collect();
+            assert!(before.len() > 1, "operation {x} always after {before:?}");
         }
     }
 }
