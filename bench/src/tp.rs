@@ -150,8 +150,8 @@ fn run_rank(head: &LmHead, stream: &Arc<CudaStream>, r: &Rank, pb: &Problem0<'_>
     let (mut lp, mut lse, mut ent, mut lp2, mut lse2) = (alloc(t)?, alloc(t)?, alloc(t)?, alloc(t)?, alloc(t)?);
     let gl = lmhead::testing::upload(stream, &vec![1.0f32; t])?;
     let ge = lmhead::testing::upload(stream, &vec![0.1f32; t])?;
-    let mut dh: CudaSlice<bf16> = stream.alloc_zeros(t * d).map_err(|_| lmhead::Error::OutOfMemory { what: "dh", bytes: 2 * t * d })?;
-    let mut dw: CudaSlice<bf16> = stream.alloc_zeros(v * d).map_err(|_| lmhead::Error::OutOfMemory { what: "dW", bytes: 2 * v * d })?;
+    let mut dh = lmhead::testing::zeros::<bf16>(stream, t * d, "dh")?;
+    let mut dw = lmhead::testing::zeros::<bf16>(stream, v * d, "dW")?;
     let mut blas = cublas::Gemm::new(stream.clone(), t, v, d)?;
     let fo = FwdOptions { config: Choice::Auto, check_labels: false, ..Default::default() };
     let bo = BwdOptions { config: BwdConfigs::all(Choice::Auto), ..Default::default() };

@@ -31,6 +31,7 @@ use crate::launch::{self, dev_in, dev_out, Chunk, Dev, Dims, DlogitsIn, GemmC, G
 use crate::tp::{Communicator, ReduceDh, Shard, TpBackward};
 use crate::tune::{Choice, TuneKey};
 use crate::validate;
+use crate::workspace::zeros;
 use crate::{bf16, LabelType, LmHead};
 
 /// The staging buffer the automatic chunk width aims for: `t · S` bf16 within 512 MiB.
@@ -351,11 +352,10 @@ impl LmHead {
                 .any(|&(f, c)| c == Choice::Auto && self.tuner.entry(&TuneKey::new(f, chunk_problem, tp)).is_none());
         // Scratch for the trials (allocated only when something is tuned).
         let mut scratch = if needs_tuning {
-            let alloc = |n: usize, what: &'static str| stream.alloc_zeros::<bf16>(n).map_err(|_| Error::OutOfMemory { what, bytes: 2 * n });
             Some((
-                alloc(p.t * stride, "tuning staging")?,
-                stream.alloc_zeros::<f32>(p.t * p.d).map_err(|_| Error::OutOfMemory { what: "tuning dh", bytes: 4 * p.t * p.d })?,
-                alloc(if with_dw { chunk * p.d } else { 1 }, "tuning dW")?,
+                zeros::<bf16>(stream, p.t * stride, "tuning staging")?,
+                zeros::<f32>(stream, p.t * p.d, "tuning dh")?,
+                zeros::<bf16>(stream, if with_dw { chunk * p.d } else { 1 }, "tuning dW")?,
             ))
         } else {
             None

@@ -17,6 +17,7 @@ use crate::launch::{self, dev_in, dev_out, Dims, Labels, LogitsIn, MergeOuts, Me
 use crate::tp::{Communicator, Shard};
 use crate::tune::{Choice, Mode, TuneKey};
 use crate::validate;
+use crate::workspace::zeros;
 use crate::{bf16, LabelType, LmHead};
 
 /// Inputs of a forward call. `h` is `[t][d]`, `W` is `[v][d]` (bf16, rows contiguous), labels `[t]`.
@@ -260,12 +261,9 @@ impl LmHead {
         self.tuner.pick_sliced(&key, choice, sliced, &mut |cfg| {
             let plan = self.plan_split(family, cfg, p)?;
             let n = plan.blocks_per_row() as usize;
-            let mut partials = stream
-                .alloc_zeros::<crate::workspace::PartialRepr>(n * p.t)
-                .map_err(|_| Error::OutOfMemory { what: "tuning partials", bytes: n * p.t * 16 })?;
-            let mut outs =
-                stream.alloc_zeros::<f32>(3 * p.t).map_err(|_| Error::OutOfMemory { what: "tuning outputs", bytes: 12 * p.t })?;
-            let mut status = stream.alloc_zeros::<u32>(1).map_err(|_| Error::OutOfMemory { what: "tuning status", bytes: 4 })?;
+            let mut partials = zeros::<crate::workspace::PartialRepr>(stream, n * p.t, "tuning partials")?;
+            let mut outs = zeros::<f32>(stream, 3 * p.t, "tuning outputs")?;
+            let mut status = zeros::<u32>(stream, 1, "tuning status")?;
             let run = |partials: &mut cudarc::driver::CudaSlice<crate::workspace::PartialRepr>,
                        outs: &mut cudarc::driver::CudaSlice<f32>,
                        status: &mut cudarc::driver::CudaSlice<u32>|

@@ -173,7 +173,7 @@ impl LmHead {
             let h = testing::random_bf16_tiled(&stream, t * d, 0.05, 1)?;
             let w = testing::random_bf16_tiled(&stream, v * d, 0.05, 2)?;
             let labels = testing::upload(&stream, &(0..t).map(|i| (i % v) as i32).collect::<Vec<_>>())?;
-            let alloc = |n: usize| stream.alloc_zeros::<f32>(n).map_err(|_| Error::OutOfMemory { what: "warm-up outputs", bytes: 4 * n });
+            let alloc = |n: usize| workspace::zeros::<f32>(&stream, n, "warm-up outputs");
             let (mut lp, mut lse, mut ent) = (alloc(t)?, alloc(t)?, alloc(t)?);
             let x = FwdInputs { h: &h, w: &w, labels: &labels, problem: p };
             self.forward(
@@ -184,8 +184,8 @@ impl LmHead {
             )?;
             if backward {
                 let g = testing::upload(&stream, &vec![1.0f32; t])?;
-                let mut dh = stream.alloc_zeros::<bf16>(t * d).map_err(|_| Error::OutOfMemory { what: "warm-up dh", bytes: 2 * t * d })?;
-                let mut dw = stream.alloc_zeros::<bf16>(v * d).map_err(|_| Error::OutOfMemory { what: "warm-up dW", bytes: 2 * v * d })?;
+                let mut dh = workspace::zeros::<bf16>(&stream, t * d, "warm-up dh")?;
+                let mut dw = workspace::zeros::<bf16>(&stream, v * d, "warm-up dW")?;
                 let bx = BwdInputs {
                     h: &h,
                     w: &w,

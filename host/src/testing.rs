@@ -48,7 +48,7 @@ pub fn random_bf16_tiled(stream: &Arc<CudaStream>, n: usize, scale: f64, seed: u
 /// `n` zeroed elements on the device; an allocation failure is [`Error::OutOfMemory`] naming
 /// `what`.
 pub fn zeros<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(stream: &Arc<CudaStream>, n: usize, what: &'static str) -> Result<CudaSlice<T>> {
-    stream.alloc_zeros::<T>(n).map_err(|_| Error::OutOfMemory { what, bytes: std::mem::size_of::<T>() * n })
+    crate::workspace::zeros(stream, n, what)
 }
 
 /// Upload any plain slice.

@@ -33,6 +33,12 @@ use lmhead_core::params::Partial;
 use crate::borrowed::Borrowed;
 use crate::error::{Context as _, Error, Result};
 
+/// `n` zeroed elements on `stream`, for scratch and outputs the library allocates itself (tuning
+/// trials, warm-up); an allocation failure is [`Error::OutOfMemory`] naming `what`.
+pub(crate) fn zeros<T: DeviceRepr + ValidAsZeroBits>(stream: &Arc<CudaStream>, n: usize, what: &'static str) -> Result<CudaSlice<T>> {
+    stream.alloc_zeros::<T>(n).map_err(|_| Error::OutOfMemory { what, bytes: std::mem::size_of::<T>() * n })
+}
+
 /// Device representation of a forward partial (16 bytes, 16-byte aligned).
 #[repr(transparent)]
 #[derive(Clone, Copy, Debug, Default)]
