@@ -6,7 +6,7 @@
 //!              [--filter SUBSTR] [--budget-s N]
 //!              [--reps N] [--out results.jsonl] [--fallback | --fixed | --versus-fixed]
 //!              [--no-check] [--skip N]
-//!              [--bwd-chunk N] [--check-labels] [--shuffle] [--resume FILE]
+//!              [--bwd-chunk N] [--check-labels] [--fixed-order] [--resume FILE]
 //! ```
 //!
 //! `--fixed` runs without tuning on each family's best fixed config from the shipped table (the
@@ -28,9 +28,11 @@
 //!
 //! Measurement hygiene: random inputs (never zeros); tuning and warm-up of every operation before
 //! any timing; then `--reps` rounds, each timing cuBLAS, the forward, the forward with entropy
-//! and (first 5 rounds) forward+backward once in turn with CUDA events (in that order, or with
-//! `--shuffle` in an order shuffled per round), so that all see the same clock and temperature
-//! (the H200 runs these shapes at its power limit); the median of the
+//! and (first 5 rounds) forward+backward once in turn with CUDA events, in an order shuffled per
+//! round (seeded by the round; `--fixed-order`: always in that order, which measured the
+//! forwards 0.2–1.6% faster against cuBLAS than shuffled rounds, docs/PERFORMANCE.md), so that
+//! all see the same clock and temperature (the H200 runs these shapes at its power limit) and
+//! none always follows the same one; the median of the
 //! rounds (p20/p80 kept); operands are not rotated, but `W` is at least twice the 60 MB L2 at
 //! every suite shape; and a check of the timed runs' log-probs on sampled rows against the f64
 //! reference, so a fast wrong kernel cannot win. FLOPs: one logits GEMM is `2·t·v·d`;
@@ -53,7 +55,7 @@ use lmhead::{bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, FwdInputs, FwdOpti
 use lmhead_reference::rng::Rng;
 use serde_json::json;
 
-pub use lmhead_core::record::{Case, Row, Timing};
+pub use lmhead_core::record::{Case, Plan, Row, Timing};
 pub use suites::Suite;
 
 /// Command-line options.
@@ -78,8 +80,9 @@ pub struct Args {
     pub bwd_chunk: Option<usize>,
     /// Time the forwards with the label check on.
     pub check_labels: bool,
-    /// `--shuffle`: each round times cuBLAS and the fused operations in an order of its own
-    /// ([`shuffled`], seeded by the round) instead of always in the same one.
+    /// Each round times cuBLAS and the fused operations in an order of its own ([`shuffled`],
+    /// seeded by the round); `--fixed-order` turns it off (always cuBLAS, then each head's
+    /// forward, entropy and step), as the records before 2026-12-01 were measured.
     pub shuffle: bool,
     /// `tune-table`: result files of earlier runs whose shapes are skipped.
     pub resume: Vec<String>,
@@ -99,7 +102,7 @@ fn parse_args() -> Result<Args, String> {
         skip: 0,
         bwd_chunk: None,
         check_labels: false,
-        shuffle: false,
+        shuffle: true,
         resume: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
@@ -114,6 +117,8 @@ fn parse_args() -> Result<Args, String> {
             "--versus-fixed" => a.versus_fixed = true,
             "--no-check" => a.check = false,
             "--check-labels" => a.check_labels = true,
+            "--fixed-order" => a.shuffle = false,
+            // The default since the order was measured; kept so that older commands still run.
             "--shuffle" => a.shuffle = true,
             "--bwd-chunk" => {
                 a.bwd_chunk = Some(it.next().ok_or("--bwd-chunk needs a value")?.parse().map_err(|e| format!("--bwd-chunk: {e}"))?)
@@ -190,6 +195,8 @@ struct Ops<'a> {
     fwd_cfg: String,
     fwd_ent_cfg: String,
     bwd_cfg: String,
+    fwd_plan: Option<Plan>,
+    fwd_ent_plan: Option<Plan>,
     t: Timings,
 }
 
@@ -206,6 +213,11 @@ enum Op {
     Fwd,
     FwdEnt,
     FwdBwd,
+}
+
+/// The launch plan a forward reported, as the records keep it.
+fn plan_of(r: &lmhead::FwdReport) -> Plan {
+    Plan { splits: r.n_splits, raster: r.raster_group, fill: r.fill }
 }
 
 /// The shared inputs of one shape.
@@ -232,6 +244,8 @@ impl<'a> Ops<'a> {
             fwd_cfg: String::new(),
             fwd_ent_cfg: String::new(),
             bwd_cfg: String::new(),
+            fwd_plan: None,
+            fwd_ent_plan: None,
             t: Timings::default(),
         }
     }
@@ -242,11 +256,13 @@ impl<'a> Ops<'a> {
             Op::Fwd => {
                 let r = head.forward(stream, &d.x, &d.fo, FwdOutputs { logprob: &mut self.lp, lse: &mut self.lse, entropy: None })?;
                 self.fwd_cfg = r.config.map(|c| c.suffix(lmhead::Family::Fwd)).unwrap_or_default();
+                self.fwd_plan = Some(plan_of(&r));
             }
             Op::FwdEnt => {
                 let out = FwdOutputs { logprob: &mut self.lp_ent, lse: &mut self.lse_ent, entropy: Some(&mut self.ent) };
                 let r = head.forward(stream, &d.x, &d.fo, out)?;
                 self.fwd_ent_cfg = r.config.map(|c| c.suffix(lmhead::Family::FwdEnt)).unwrap_or_default();
+                self.fwd_ent_plan = Some(plan_of(&r));
             }
             Op::FwdBwd => {
                 let Some((dh, dw)) = self.grads.as_mut() else { return Ok(()) };
@@ -331,9 +347,9 @@ fn measure(heads: &[&LmHead], stream: &Arc<CudaStream>, c: &Case, args: &Args, s
         if r > 0 {
             ops.rotate_left(1);
         }
-        // The round's timings: cuBLAS, then each head's operations, in this order or, with
-        // `--shuffle`, in an order of the round's own (so that no operation always runs right
-        // after the same one: a kernel's clock depends on what ran before it).
+        // The round's timings: cuBLAS, then each head's operations, in an order of the round's
+        // own (so that no operation always runs right after the same one: a kernel's clock
+        // depends on what ran before it) or, with `--fixed-order`, in this one.
         let mut round: Vec<Option<(usize, Op)>> = vec![None];
         for i in 0..ops.len() {
             round.extend([Some((i, Op::Fwd)), Some((i, Op::FwdEnt))]);
@@ -381,6 +397,8 @@ fn measure(heads: &[&LmHead], stream: &Arc<CudaStream>, c: &Case, args: &Args, s
             fwd_cfg: o.fwd_cfg,
             fwd_ent_cfg: o.fwd_ent_cfg,
             bwd_cfg: o.bwd_cfg,
+            fwd_plan: o.fwd_plan,
+            fwd_ent_plan: o.fwd_ent_plan,
             workspace_mib: o.head.workspace_bytes() as f64 / (1 << 20) as f64,
             check_max_abs,
         });
@@ -440,7 +458,7 @@ fn main() {
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp|tune-table|dh-probe|config-probe] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback | --fixed | --versus-fixed] [--no-check] [--skip N] [--bwd-chunk N] [--check-labels] [--shuffle] [--resume FILE]");
+            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp|tune-table|dh-probe|config-probe] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback | --fixed | --versus-fixed] [--no-check] [--skip N] [--bwd-chunk N] [--check-labels] [--fixed-order] [--resume FILE]");
             std::process::exit(2);
         }
     };
@@ -601,9 +619,7 @@ fn main() {
                             "tuning": tuning,
                             "row": r,
                         });
-                        if args.shuffle {
-                            rec["order"] = json!("shuffled");
-                        }
+                        rec["order"] = json!(if args.shuffle { "shuffled" } else { "fixed" });
                         let _ = writeln!(o, "{rec}");
                     }
                 }

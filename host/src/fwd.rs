@@ -66,6 +66,9 @@ pub struct FwdReport {
     pub config: Option<TileConfig>,
     /// Vocab splits of the plan (0 for the naive path).
     pub n_splits: u32,
+    /// Token tiles per raster group of the launch order (0 = plain order; see
+    /// [`lmhead_core::split::raster`]).
+    pub raster_group: u32,
     /// Tiles of every split that a filler block took (0 = no fillers; see
     /// [`lmhead_core::split::with_fill`]).
     pub fill: u32,
@@ -149,7 +152,7 @@ impl LmHead {
         }
         if opts.naive {
             launch::naive_fwd(&self.gpu, stream, &x, &logprob, &lse, entropy.as_ref())?;
-            return Ok(FwdReport { config: None, n_splits: 0, fill: 0 });
+            return Ok(FwdReport { config: None, n_splits: 0, raster_group: 0, fill: 0 });
         }
         let family = if entropy.is_some() { Family::FwdEnt } else { Family::Fwd };
         let cfg = self.fwd_config(stream, family, opts.config, p, &x, comm.is_some())?;
@@ -187,7 +190,7 @@ impl LmHead {
                 }
             }
         }
-        Ok(FwdReport { config: Some(cfg), n_splits: plan.n_splits, fill: plan.fill })
+        Ok(FwdReport { config: Some(cfg), n_splits: plan.n_splits, raster_group: plan.raster_group, fill: plan.fill })
     }
 
     /// Check every label before anything of the forward runs (so a bad label writes nothing and

@@ -68,11 +68,26 @@ pub struct Row {
     pub fwd_ent_cfg: String,
     #[serde(default)]
     pub bwd_cfg: String,
+    /// The launch plans the forward and the forward with entropy ran with (absent in records
+    /// written before they were recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fwd_plan: Option<Plan>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fwd_ent_plan: Option<Plan>,
     pub workspace_mib: f64,
     /// Largest |Δ log-prob| of the timed forwards against the f64 reference on sampled rows
     /// (`null` with `--no-check`).
     #[serde(default)]
     pub check_max_abs: Option<f64>,
+}
+
+/// A forward's launch plan: vocab splits, token tiles per raster group (0 = plain order) and
+/// tiles per filler block (0 = none); see `lmhead_core::split::SplitPlan`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Plan {
+    pub splits: u32,
+    pub raster: u32,
+    pub fill: u32,
 }
 
 /// One tensor-parallel measurement of `lmhead-bench tp`: a whole problem (`tokens × v_total × d`)

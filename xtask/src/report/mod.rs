@@ -384,6 +384,13 @@ mod tests {
         assert_eq!(r[0].tuning, Tuning::Auto);
         assert!(r[3].row.fwd_bwd.is_none());
         assert_eq!(r[2].line, 3);
+        // Records from before the plans were kept have none; newer ones read back.
+        assert_eq!(r[0].row.fwd_plan, None);
+        let mut v: serde_json::Value = serde_json::from_str(FIXTURE.lines().next().unwrap()).unwrap();
+        v["row"]["fwd_plan"] = serde_json::json!({"splits": 12, "raster": 11, "fill": 0});
+        let r = parse(&v.to_string()).unwrap();
+        assert_eq!(r[0].row.fwd_plan, Some(lmhead_core::record::Plan { splits: 12, raster: 11, fill: 0 }));
+        assert_eq!(r[0].row.fwd_ent_plan, None);
     }
 
     #[test]
