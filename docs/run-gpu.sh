@@ -2,7 +2,7 @@
 # Runs on the GPU machine (no Rust there): the bundled test and bench binaries from `.gpu/`
 # (built by `cargo xtask gpu-bundle`). Usage, from the repository root on that machine:
 #
-#   bash .gpu/run-gpu.sh [steps...]     steps: info tests fills quick sweep probe entropy tp tune-table sanitize ncu sass (default: info tests quick)
+#   bash .gpu/run-gpu.sh [steps...]     steps: info tests fills quick sweep probe entropy tp tune-table sanitize ncu plans sass (default: info tests quick)
 #
 # Logs go to $OUT (or ./gpu-out when OUT is unset). Each step has a time limit so that one hung
 # step cannot eat the whole session. Set FILTER to pass a test-name filter to the test binaries,
@@ -99,6 +99,31 @@ for s in "${steps[@]}"; do
         echo "$c: exit $?, $(( $(date +%s) - c0 )) s"
         n=$(( n + 1 ))
       done ;;
+    plans)
+      # Forward launch plans side by side in the steady state (docs/PERFORMANCE.md, *The forward's
+      # plan at 131072 tokens*). Each line of the file PLAN_CASES is `<sweep case> <S>x<G> ...`:
+      # one run fills the tuning cache, then the planner's own plan and each plan of S splits in
+      # raster groups of G token tiles (LMHEAD_FWD_SPLITS, LMHEAD_FWD_RASTER), each in a process of
+      # its own, in the order planner, A, B, …, B, A, planner: `sweep --filter <case> --reps
+      # ${PLAN_REPS:-3} --no-check` into $OUT/plans.jsonl (each record names its plan,
+      # `fwd_plan`). BUDGET: stop before a case once that many seconds are spent.
+      while read -r c vars; do
+        [ -z "${c:-}" ] && continue
+        if [ -n "${BUDGET:-}" ] && [ $(( $(date +%s) - t0 )) -ge "$BUDGET" ]; then
+          echo "budget spent: stopped before $c"; break
+        fi
+        c0=$(date +%s)
+        "$B/lmhead-bench" sweep --filter "$c" --reps 1 --no-check --out /dev/null < /dev/null > /dev/null 2>> "$OUT/bench.err"
+        order=(planner $vars)
+        for (( i = ${#order[@]} - 1; i >= 0; i-- )); do order+=("${order[i]}"); done
+        for p in "${order[@]}"; do
+          if [ "$p" = planner ]; then env=(env); else env=(env "LMHEAD_FWD_SPLITS=${p%x*}" "LMHEAD_FWD_RASTER=${p#*x}"); fi
+          "${env[@]}" timeout ${PLAN_TIMEOUT:-150} "$B/lmhead-bench" sweep --filter "$c" --reps ${PLAN_REPS:-3} --no-check \
+            --out "$OUT/plans.jsonl" < /dev/null >> "$OUT/plans.log" 2>&1
+          echo "$c $p: exit $?"
+        done
+        echo "$c: $(( $(date +%s) - c0 )) s"
+      done < "${PLAN_CASES:?PLAN_CASES: a file of lines <sweep case> <S>x<G> ...}" ;;
     sass)
       # A cubin assembled here by `cargo xtask build-ptx` (target/kernels/lmhead_kernels.cubin),
       # copied into .gpu/: per wgmma kernel, the count of HGMMA and of local-memory accesses.
