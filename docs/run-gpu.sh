@@ -105,8 +105,10 @@ for s in "${steps[@]}"; do
       # one run fills the tuning cache, then the planner's own plan and each plan of S splits in
       # raster groups of G token tiles (LMHEAD_FWD_SPLITS, LMHEAD_FWD_RASTER), each in a process of
       # its own, in the order planner, A, B, …, B, A, planner: `sweep --filter <case> --reps
-      # ${PLAN_REPS:-3} --no-check` into $OUT/plans.jsonl (each record names its plan,
-      # `fwd_plan`). BUDGET: stop before a case once that many seconds are spent.
+      # ${PLAN_REPS:-3}` into $OUT/plans.jsonl, with the check of the timed log-probs against
+      # the f64 reference (a plan that fails it leaves no record; each record names its plan,
+      # `fwd_plan`, and the forced ones their `plan_overrides`; `cargo xtask table-plans` reads
+      # them). BUDGET: stop before a case once that many seconds are spent.
       while read -r c vars; do
         [ -z "${c:-}" ] && continue
         if [ -n "${BUDGET:-}" ] && [ $(( $(date +%s) - t0 )) -ge "$BUDGET" ]; then
@@ -118,7 +120,7 @@ for s in "${steps[@]}"; do
         for (( i = ${#order[@]} - 1; i >= 0; i-- )); do order+=("${order[i]}"); done
         for p in "${order[@]}"; do
           if [ "$p" = planner ]; then env=(env); else env=(env "LMHEAD_FWD_SPLITS=${p%x*}" "LMHEAD_FWD_RASTER=${p#*x}"); fi
-          "${env[@]}" timeout ${PLAN_TIMEOUT:-150} "$B/lmhead-bench" sweep --filter "$c" --reps ${PLAN_REPS:-3} --no-check \
+          "${env[@]}" timeout ${PLAN_TIMEOUT:-150} "$B/lmhead-bench" sweep --filter "$c" --reps ${PLAN_REPS:-3} \
             --out "$OUT/plans.jsonl" < /dev/null >> "$OUT/plans.log" 2>&1
           echo "$c $p: exit $?"
         done

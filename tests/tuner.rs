@@ -249,6 +249,7 @@ mod table_mode {
             family_hashes: Default::default(),
             fixed,
             fixed_only: Vec::new(),
+            plans: Vec::new(),
             entries: vec![TableEntry { family: Family::Fwd, bucket: 4096, d: 4096, v: 32000, ranking: vec![(s[1], 1.0), (s[0], 1.02)] }],
         }
     }

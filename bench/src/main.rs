@@ -35,8 +35,10 @@
 //! none always follows the same one; the median of the
 //! rounds (p20/p80 kept); operands are not rotated, but `W` is at least twice the 60 MB L2 at
 //! every suite shape; and a check of the timed runs' log-probs on sampled rows against the f64
-//! reference, so a fast wrong kernel cannot win. FLOPs: one logits GEMM is `2·t·v·d`;
-//! forward+backward does four (logits, recompute, dh, dW).
+//! reference, so a fast wrong kernel cannot win. Records name the forwards' launch plans
+//! (`fwd_plan`, `fwd_ent_plan`) and the plan overrides set in the environment
+//! (`plan_overrides`). FLOPs: one logits GEMM is `2·t·v·d`; forward+backward does four (logits,
+//! recompute, dh, dW).
 
 mod config_probe;
 mod cublas;
@@ -134,6 +136,23 @@ fn parse_args() -> Result<Args, String> {
         return Err("--fallback, --fixed and --versus-fixed exclude each other".into());
     }
     Ok(a)
+}
+
+/// The launch-plan overrides (`LMHEAD_FWD_*` / `LMHEAD_BWD_*`, docs/PERFORMANCE.md) that `lookup`
+/// finds set, as a record's `plan_overrides`; `None` when the library chose every plan itself.
+pub fn plan_overrides(lookup: impl Fn(&str) -> Option<String>) -> Option<serde_json::Value> {
+    const VARS: [&str; 7] = [
+        "LMHEAD_FWD_L2",
+        "LMHEAD_FWD_SPLITS",
+        "LMHEAD_FWD_RASTER",
+        "LMHEAD_FWD_FILL",
+        "LMHEAD_BWD_TILES",
+        "LMHEAD_BWD_RASTER",
+        "LMHEAD_BWD_FILL",
+    ];
+    let set: serde_json::Map<String, serde_json::Value> =
+        VARS.iter().filter_map(|&k| lookup(k).map(|v| (k.to_string(), json!(v.trim())))).collect();
+    (!set.is_empty()).then_some(serde_json::Value::Object(set))
 }
 
 /// `0..n` in the order of a Fisher–Yates shuffle seeded by `seed`.
@@ -620,6 +639,9 @@ fn main() {
                             "row": r,
                         });
                         rec["order"] = json!(if args.shuffle { "shuffled" } else { "fixed" });
+                        if let Some(o) = plan_overrides(|k| std::env::var(k).ok()) {
+                            rec["plan_overrides"] = o;
+                        }
                         let _ = writeln!(o, "{rec}");
                     }
                 }
@@ -634,7 +656,18 @@ fn main() {
 
 #[cfg(test)]
 mod tests {
-    use super::shuffled;
+    use super::{plan_overrides, shuffled};
+
+    #[test]
+    fn plan_overrides_name_the_variables_set() {
+        assert_eq!(plan_overrides(|_| None), None);
+        let env = |k: &str| match k {
+            "LMHEAD_FWD_SPLITS" => Some("12".to_string()),
+            "LMHEAD_FWD_RASTER" => Some(" 11 ".to_string()),
+            _ => None,
+        };
+        assert_eq!(plan_overrides(env), Some(serde_json::json!({"LMHEAD_FWD_SPLITS": "12", "LMHEAD_FWD_RASTER": "11"})));
+    }
 
     #[test]
     fn shuffled_orders_are_permutations_that_vary_by_round() {

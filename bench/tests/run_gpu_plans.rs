@@ -1,7 +1,7 @@
 //! `docs/run-gpu.sh plans` (forward launch plans side by side on the GPU machine) with a stand-in
 //! for `lmhead-bench` that only records how it was called: the cache-filling run, then the
 //! planner's plan and each forced plan in the order planner, A, B, B, A, planner, each with its
-//! own `LMHEAD_FWD_SPLITS` / `LMHEAD_FWD_RASTER`. Needs `bash`; without it the test prints why it
+//! own `LMHEAD_FWD_SPLITS` / `LMHEAD_FWD_RASTER` and the log-prob check on. Needs `bash`; without it the test prints why it
 //! skips.
 
 use std::path::Path;
@@ -47,7 +47,7 @@ fn plans_step_runs_each_plan_in_mirrored_order() {
     let got = std::fs::read_to_string(&calls).unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
     let res = out.join("plans.jsonl");
-    let timed = |case: &str, plan: &str| format!("{plan} sweep --filter {case} --reps 3 --no-check --out {}", res.display());
+    let timed = |case: &str, plan: &str| format!("{plan} sweep --filter {case} --reps 3 --out {}", res.display());
     let fill = |case: &str| format!("-x- sweep --filter {case} --reps 1 --no-check --out /dev/null");
     let (a, b) = ("llama-3.1-8b/tok128k/tp1cp1", "qwen2.5-14b/tok64k/tp4cp1");
     let want = [

@@ -234,9 +234,16 @@ impl LmHead {
         Err(Error::BadLabel { row: (row < t).then_some(row), label })
     }
 
-    /// The vocab split and launch order for `cfg` on this device ([`crate::plan::fwd`]).
+    /// The vocab split and launch order for `cfg` on this device ([`crate::plan::fwd`]), with
+    /// the plan the tuning table measured for this key and config when it holds one and timed
+    /// these kernels.
     pub(crate) fn plan_split(&self, family: Family, cfg: TileConfig, p: Problem) -> Result<split::SplitPlan> {
-        Ok(crate::plan::fwd(&self.gpu, self.slots(family, cfg)?, cfg, p))
+        let measured = self
+            .tuner
+            .table()
+            .filter(|(_, fit)| fit.exact_for(family))
+            .and_then(|(table, _)| table.plan(&crate::tune::TuneKey::new(family, p, false), cfg).map(|e| (e.splits, e.raster)));
+        Ok(crate::plan::fwd(&self.gpu, self.slots(family, cfg)?, cfg, p, measured))
     }
 
     /// Choose the forward config (tuning on first use of a key when `choice` is `Auto`). Trials

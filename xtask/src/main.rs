@@ -21,6 +21,7 @@
 //!   autotuned picks against the best fixed configs (see `tune_table.rs`). Needs no GPU.
 
 mod report;
+mod table_plans;
 mod tune_table;
 
 use std::path::{Path, PathBuf};
@@ -173,7 +174,8 @@ fn main() -> ExitCode {
         Some("gpu-bundle") => bundle(),
         Some("bench-report") => report::run(&args[1..]),
         Some("tune-table") => tune_table::run(&args[1..]),
-        _ => Err("usage: cargo xtask <setup|build-ptx|test|demo|bench|gpu-bundle|bench-report <results.jsonl> [--out-dir DIR]|tune-table <tune-table.jsonl>... [--out FILE] [--report FILE]>".into()),
+        Some("table-plans") => table_plans::run(&args[1..]),
+        _ => Err("usage: cargo xtask <setup|build-ptx|test|demo|bench|gpu-bundle|bench-report <results.jsonl> [--out-dir DIR]|tune-table <tune-table.jsonl>... [--out FILE] [--report FILE]|table-plans [--table FILE] [--margin M] <records.jsonl>...>".into()),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

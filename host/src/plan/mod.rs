@@ -18,13 +18,18 @@ use overrides::Overrides;
 /// device, with the overrides `LMHEAD_FWD_L2=0` (no L2 model), `LMHEAD_FWD_SPLITS`,
 /// `LMHEAD_FWD_RASTER`, `LMHEAD_FWD_FILL`. The sm90 forward reads the raster order and the fill;
 /// its plan keeps the resident rows of `h` in L2, and its fillers ([`split::with_fill`]) the
-/// SMs busy in the last wave.
-pub(crate) fn fwd(gpu: &Gpu, slots: u32, cfg: TileConfig, p: Problem) -> split::SplitPlan {
+/// SMs busy in the last wave. `measured`: `(splits, raster group)` that the tuning table holds
+/// for this key and config ([`crate::tune::table::PlanEntry`]), in place of the L2 model's.
+pub(crate) fn fwd(gpu: &Gpu, slots: u32, cfg: TileConfig, p: Problem, measured: Option<(u32, u32)>) -> split::SplitPlan {
     let m_tiles = p.t.div_ceil(cfg.bm as usize) as u32;
     let n_tiles = p.v.div_ceil(cfg.bn as usize) as u32;
     let ov = Overrides::get();
     let plan = if cfg.is_sm90() && gpu.info().l2_bytes > 0 && !ov.fwd_l2_off {
-        split::plan_l2(m_tiles, n_tiles, slots, split::L2Model::of(cfg.bm.into(), p.d as u64, gpu.info().l2_bytes))
+        let modelled = split::plan_l2(m_tiles, n_tiles, slots, split::L2Model::of(cfg.bm.into(), p.d as u64, gpu.info().l2_bytes));
+        match measured {
+            Some((splits, raster)) => measured_plan(modelled, n_tiles, splits, raster),
+            None => modelled,
+        }
     } else {
         split::plan(m_tiles, n_tiles, slots)
     };
@@ -36,6 +41,13 @@ pub(crate) fn fwd(gpu: &Gpu, slots: u32, cfg: TileConfig, p: Problem) -> split::
         Some(_) => plan,
         None => with_fill(plan, m_tiles, n_tiles, slots, k_steps(p.d)),
     }
+}
+
+/// `splits` splits in raster groups of `raster` token tiles, as `LMHEAD_FWD_SPLITS` /
+/// `LMHEAD_FWD_RASTER` would force them (so that a plan measured through those overrides is the
+/// plan the table gives).
+fn measured_plan(modelled: split::SplitPlan, n_tiles: u32, splits: u32, raster: u32) -> split::SplitPlan {
+    split::PlanOverride { splits: Some(splits), tiles: None, raster: Some(raster), fill: None }.apply(modelled, n_tiles)
 }
 
 /// 64-deep K steps of a `k`-deep tile, the unit of [`split::makespan_k_steps`].
@@ -92,6 +104,19 @@ fn with_fill(plan: split::SplitPlan, m_tiles: u32, n_tiles: u32, slots: u32, k_s
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_measured_plan_is_the_forced_one() {
+        // 131072 × 128256 × 4096 in 128 × 256 tiles: 1024 × 501 tiles; the L2 model's plan, and
+        // 12 splits in groups of 11 as the table or the overrides give them.
+        let (m, n) = (1024u32, 501u32);
+        let modelled = split::plan_l2(m, n, 132, split::L2Model::of(128, 4096, 60 << 20));
+        let forced = split::PlanOverride { splits: Some(12), tiles: None, raster: Some(11), fill: None }.apply(modelled, n);
+        let got = measured_plan(modelled, n, 12, 11);
+        assert_eq!(got, forced);
+        assert_eq!((got.n_splits, got.tiles_per_split, got.raster_group), (12, 42, 11));
+        assert_ne!(got, modelled);
+    }
 
     #[test]
     fn remembered_fill_is_the_models() {

@@ -41,6 +41,25 @@ pub struct TableEntry {
     pub ranking: Vec<(TileConfig, f64)>,
 }
 
+/// A forward launch plan that the steady state measured faster than the planner's at one key
+/// with one config (`cargo xtask table-plans`): `splits` vocab splits in raster groups of `raster`
+/// token tiles, in place of [`lmhead_core::split::plan_l2`]'s (fillers are still added).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PlanEntry {
+    /// `Fwd` or `FwdEnt`.
+    pub family: Family,
+    /// The token bucket (its upper bound).
+    pub bucket: u32,
+    pub d: u32,
+    pub v: u32,
+    /// The config it was measured with; another config keeps the planner's plan.
+    pub config: TileConfig,
+    pub splits: u32,
+    pub raster: u32,
+    /// Time against the planner's plan in that measurement (< 1).
+    pub ratio: f64,
+}
+
 /// A table file.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Table {
@@ -64,6 +83,9 @@ pub struct Table {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub fixed_only: Vec<Family>,
     pub entries: Vec<TableEntry>,
+    /// Forward plans measured faster than the planner's (see [`PlanEntry`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub plans: Vec<PlanEntry>,
 }
 
 /// How far a table's measurements carry to this device.
@@ -118,6 +140,7 @@ impl Table {
             e.ranking.retain(|(c, r)| e.family.candidates().contains(c) && r.is_finite());
         }
         t.entries.retain(|e| !e.ranking.is_empty());
+        t.plans.retain(|p| matches!(p.family, Family::Fwd | Family::FwdEnt) && p.family.candidates().contains(&p.config) && p.splits >= 1);
         Ok(t)
     }
 
@@ -170,6 +193,13 @@ impl Table {
             }
         }
         out
+    }
+
+    /// The plan measured for `key` with `config`, if any.
+    pub fn plan(&self, key: &TuneKey, config: TileConfig) -> Option<&PlanEntry> {
+        self.plans
+            .iter()
+            .find(|e| e.family == key.family && e.bucket == key.bucket.tokens() && e.d == key.d && e.v == key.v && e.config == config)
     }
 
     /// The family's best fixed config, if the table has one.
@@ -251,6 +281,7 @@ mod tests {
             family_hashes: BTreeMap::new(),
             fixed: BTreeMap::new(),
             fixed_only: Vec::new(),
+            plans: Vec::new(),
             entries: vec![
                 entry(2048, 2048, 248_320, vec![(c[7], 1.0), (c[8], 1.01), (c[9], 1.2)]),
                 entry(4096, 4096, 128_256, vec![(c[9], 1.0), (c[8], 1.03)]),
@@ -264,6 +295,30 @@ mod tests {
         assert_eq!(near[0].d, 4096);
         assert_eq!(t.shortlist(&key(Family::Fwd, 2048, 248_320, 4096), 2, 1.05, 4), vec![c[9], c[8], c[7]]);
         assert_eq!(t.shortlist(&key(Family::Fwd, 2048, 248_320, 4096), 2, 1.05, 2), vec![c[9], c[8]]);
+    }
+
+    #[test]
+    fn plans_match_family_bucket_shape_and_config_and_bad_ones_are_dropped() {
+        let (c, e) = (Family::Fwd.candidates(), Family::FwdEnt.candidates());
+        let other = *Family::BwdDh.candidates().iter().find(|x| !c.contains(x)).expect("a dh-only config");
+        let plan = |family, config, splits| serde_json::json!({"family": family, "bucket": 131072, "d": 4096, "v": 128256, "config": config, "splits": splits, "raster": 11, "ratio": 0.94});
+        let text = serde_json::json!({
+            "format": FORMAT, "device": "X", "source": "", "fixed": {}, "entries": [],
+            "plans": [plan(Family::Fwd, c[9], 12), plan(Family::FwdEnt, e[9], 12),
+                      // not a forward family, a config of another family, no splits
+                      plan(Family::BwdDh, c[9], 12), plan(Family::Fwd, other, 12), plan(Family::Fwd, c[8], 0)],
+        });
+        let t = Table::parse(&text.to_string()).unwrap();
+        assert_eq!(t.plans.len(), 2, "{:?}", t.plans);
+        let p = t.plan(&key(Family::Fwd, 100_000, 128_256, 4096), c[9]).expect("same bucket, shape and config");
+        assert_eq!((p.splits, p.raster), (12, 11));
+        assert!(t.plan(&key(Family::FwdEnt, 131_072, 128_256, 4096), e[9]).is_some());
+        assert!(t.plan(&key(Family::Fwd, 131_072, 128_256, 4096), c[8]).is_none(), "another config");
+        assert!(t.plan(&key(Family::Fwd, 262_144, 128_256, 4096), c[9]).is_none(), "another bucket");
+        assert!(t.plan(&key(Family::Fwd, 131_072, 64_128, 4096), c[9]).is_none(), "another vocab");
+        // A table without plans reads as before and writes no `plans` field.
+        let t = Table { plans: Vec::new(), ..t };
+        assert!(!serde_json::to_string(&t).unwrap().contains("plans"));
     }
 
     #[test]

@@ -1,0 +1,216 @@
+//! `cargo xtask table-plans [--table FILE] [--margin M] <records.jsonl>...`: the forward launch
+//! plans of the shipped tuning table (`plans` of `host/tuned/<device>.json`, read by
+//! `host/src/tune/table.rs`) from `lmhead-bench` records of the same shapes timed with the
+//! library's own plan and with forced ones (`run-gpu.sh plans`: records whose `plan_overrides`
+//! are exactly `LMHEAD_FWD_SPLITS` and `LMHEAD_FWD_RASTER`, and records without overrides).
+//!
+//! Per forward family (the forward, and the forward with entropy), token bucket, `d`, `v` and
+//! config: the mean time against cuBLAS of each plan over its records. A forced plan at least
+//! `margin` (default 0.03, about the bench's run-to-run spread) faster than the library's becomes
+//! the table's plan for that key; the table's `plans` are replaced whole. Prints every key's
+//! verdict.
+
+use std::collections::BTreeMap;
+
+use lmhead_core::config::{Family, TileConfig};
+use lmhead_core::record::Row;
+use lmhead_core::TokenBucket;
+use serde_json::Value;
+
+/// Family, bucket, d, v, config.
+type Key = (Family, u32, u32, u32, TileConfig);
+
+/// The library's own plan (`None`) or `(splits, raster group)` forced.
+type Plan = Option<(u32, u32)>;
+
+/// The plan a record ran: `Some(None)` without overrides, `Some(Some(..))` with exactly the
+/// split and raster overrides, `None` with any other (not comparable).
+fn plan_of(rec: &Value) -> Option<Plan> {
+    let Some(o) = rec.get("plan_overrides").and_then(Value::as_object) else { return Some(None) };
+    let num = |k: &str| o.get(k)?.as_str()?.trim().parse::<u32>().ok();
+    match (o.len(), num("LMHEAD_FWD_SPLITS"), num("LMHEAD_FWD_RASTER")) {
+        (2, Some(s), Some(r)) if s >= 1 => Some(Some((s, r))),
+        _ => None,
+    }
+}
+
+/// The config whose record suffix is `suffix` among `family`'s candidates.
+fn config(family: Family, suffix: &str) -> Option<TileConfig> {
+    family.candidates().iter().copied().find(|c| c.suffix(family) == suffix)
+}
+
+/// Every key's ratios (time / cuBLAS) per plan, from the records in `texts`.
+fn collect(texts: &[(String, String)]) -> Result<BTreeMap<Key, BTreeMap<Plan, Vec<f64>>>, String> {
+    let mut keys: BTreeMap<Key, BTreeMap<Plan, Vec<f64>>> = BTreeMap::new();
+    for (name, text) in texts {
+        for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+            let rec: Value = serde_json::from_str(line).map_err(|e| format!("{name}:{}: {e}", i + 1))?;
+            let Some(plan) = plan_of(&rec) else { continue };
+            let Ok(row) = serde_json::from_value::<Row>(rec["row"].clone()) else { continue };
+            let c = &row.case;
+            let bucket = TokenBucket::of(c.t).tokens();
+            for (family, cfg, t) in [(Family::Fwd, &row.fwd_cfg, &row.fwd), (Family::FwdEnt, &row.fwd_ent_cfg, &row.fwd_ent)] {
+                let Some(cfg) = config(family, cfg) else { continue };
+                let key = (family, bucket, c.d as u32, c.v as u32, cfg);
+                keys.entry(key).or_default().entry(plan).or_default().push(t.p50 / row.gemm.p50);
+            }
+        }
+    }
+    Ok(keys)
+}
+
+fn mean(x: &[f64]) -> f64 {
+    x.iter().sum::<f64>() / x.len() as f64
+}
+
+/// The table's plan entries (JSON, as `host/src/tune/table.rs` reads them) and a verdict line
+/// per key.
+fn decide(keys: &BTreeMap<Key, BTreeMap<Plan, Vec<f64>>>, margin: f64) -> (Vec<Value>, Vec<String>) {
+    let (mut plans, mut lines) = (Vec::new(), Vec::new());
+    for (&(family, bucket, d, v, cfg), by_plan) in keys {
+        let name = format!("{family:?} bucket {bucket} d {d} v {v} {}", cfg.suffix(family));
+        let Some(lib) = by_plan.get(&None).map(|x| mean(x)) else {
+            lines.push(format!("{name}: no run with the library's plan, skipped"));
+            continue;
+        };
+        let best = by_plan.iter().filter_map(|(p, x)| p.map(|p| (p, mean(x)))).min_by(|a, b| a.1.total_cmp(&b.1));
+        let Some(((splits, raster), t)) = best else {
+            lines.push(format!("{name}: no forced plan, skipped"));
+            continue;
+        };
+        let ratio = t / lib;
+        let keep = ratio <= 1.0 - margin;
+        lines.push(format!(
+            "{name}: library {lib:.3}, best forced {splits} × {raster} {t:.3} ({:+.1}%){}",
+            100.0 * (ratio - 1.0),
+            if keep { " -> table" } else { "" }
+        ));
+        if keep {
+            plans.push(serde_json::json!({
+                "family": family, "bucket": bucket, "d": d, "v": v, "config": cfg,
+                "splits": splits, "raster": raster, "ratio": (ratio * 1e4).round() / 1e4,
+            }));
+        }
+    }
+    (plans, lines)
+}
+
+pub fn run(args: &[String]) -> Result<(), String> {
+    let mut table = "host/tuned/NVIDIA-H200.json".to_string();
+    let mut margin = 0.03;
+    let mut files = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--table" => table = it.next().ok_or("--table needs a file")?.clone(),
+            "--margin" => {
+                margin = it.next().ok_or("--margin needs a value")?.parse().map_err(|e| format!("--margin: {e}"))?;
+                if !(0.0..1.0).contains(&margin) {
+                    return Err(format!("--margin {margin}: expected 0 ≤ margin < 1"));
+                }
+            }
+            s if s.starts_with('-') => return Err(format!("unknown option {s}")),
+            f => files.push(f.to_string()),
+        }
+    }
+    if files.is_empty() {
+        return Err("usage: cargo xtask table-plans [--table FILE] [--margin M] <records.jsonl>...".into());
+    }
+    let texts = files
+        .iter()
+        .map(|f| Ok((f.clone(), std::fs::read_to_string(f).map_err(|e| format!("{f}: {e}"))?)))
+        .collect::<Result<Vec<_>, String>>()?;
+    let mut doc: Value = serde_json::from_str(&std::fs::read_to_string(&table).map_err(|e| format!("{table}: {e}"))?)
+        .map_err(|e| format!("{table}: not a tuning table: {e}"))?;
+    let (plans, lines) = decide(&collect(&texts)?, margin);
+    for l in &lines {
+        println!("{l}");
+    }
+    let obj = doc.as_object_mut().ok_or_else(|| format!("{table}: not a tuning table"))?;
+    if plans.is_empty() {
+        obj.remove("plans");
+    } else {
+        obj.insert("plans".into(), Value::Array(plans.clone()));
+    }
+    let text = serde_json::to_string(&doc).map_err(|e| e.to_string())?;
+    std::fs::write(&table, text).map_err(|e| format!("{table}: {e}"))?;
+    eprintln!("wrote {table}: {} plans", plans.len());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sweep record of 131072 × 128256 × 4096 with the forward at `fwd` and the forward with
+    /// entropy at `ent` times the GEMM, run with `overrides`.
+    fn rec(fwd: f64, ent: f64, overrides: Option<Value>) -> String {
+        let cfg = Family::Fwd.candidates().iter().find(|c| c.is_sm90()).unwrap().suffix(Family::Fwd);
+        let ent_cfg = Family::FwdEnt.candidates().iter().find(|c| c.is_sm90()).unwrap().suffix(Family::FwdEnt);
+        let t = |x: f64| serde_json::json!({"p50": x});
+        let mut r = serde_json::json!({
+            "suite": "sweep",
+            "row": {
+                "case": {"model": "m", "tokens": 131072, "tp": 1, "cp": 1, "t": 131072, "v": 128256, "d": 4096, "backward": true},
+                "gemm": t(100.0), "fwd": t(100.0 * fwd), "fwd_ent": t(100.0 * ent), "fwd_bwd": t(430.0),
+                "fwd_cfg": cfg, "fwd_ent_cfg": ent_cfg, "workspace_mib": 1.0,
+            },
+        });
+        if let Some(o) = overrides {
+            r["plan_overrides"] = o;
+        }
+        r.to_string()
+    }
+
+    fn forced(s: &str, r: &str) -> Option<Value> {
+        Some(serde_json::json!({"LMHEAD_FWD_SPLITS": s, "LMHEAD_FWD_RASTER": r}))
+    }
+
+    #[test]
+    fn a_forced_plan_past_the_margin_goes_to_the_table() {
+        let text = [
+            rec(1.07, 1.08, None),
+            rec(1.01, 1.07, forced("12", "11")),
+            rec(1.04, 1.02, forced("8", "17")),
+            rec(1.01, 1.06, forced("12", "11")),
+            rec(1.07, 1.09, None),
+            // another override, or a fill forced too: not comparable, ignored
+            rec(0.50, 0.50, Some(serde_json::json!({"LMHEAD_BWD_TILES": "2"}))),
+            rec(0.50, 0.50, Some(serde_json::json!({"LMHEAD_FWD_SPLITS": "4", "LMHEAD_FWD_RASTER": "33", "LMHEAD_FWD_FILL": "0"}))),
+        ]
+        .join("\n");
+        let keys = collect(&[("r".into(), text)]).unwrap();
+        let (plans, lines) = decide(&keys, 0.03);
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        // The forward: 12 × 11 at 1.01 against 1.07 (−5.6%); with entropy: 8 × 17 at 1.02 against 1.085.
+        assert_eq!(plans.len(), 2, "{lines:?}");
+        assert_eq!(
+            (plans[0]["family"].as_str(), plans[0]["splits"].as_u64(), plans[0]["raster"].as_u64()),
+            (Some("Fwd"), Some(12), Some(11))
+        );
+        assert_eq!(plans[0]["bucket"].as_u64(), Some(131072));
+        assert_eq!(
+            (plans[1]["family"].as_str(), plans[1]["splits"].as_u64(), plans[1]["raster"].as_u64()),
+            (Some("FwdEnt"), Some(8), Some(17))
+        );
+        assert!((plans[0]["ratio"].as_f64().unwrap() - 1.01 / 1.07).abs() < 1e-3);
+        // Within the margin: nothing.
+        let text = [rec(1.07, 1.08, None), rec(1.05, 1.07, forced("12", "11"))].join("\n");
+        let (plans, lines) = decide(&collect(&[("r".into(), text)]).unwrap(), 0.03);
+        assert!(plans.is_empty(), "{lines:?}");
+        // Without a run of the library's plan: nothing to compare with.
+        let (plans, lines) = decide(&collect(&[("r".into(), rec(1.0, 1.0, forced("12", "11")))]).unwrap(), 0.03);
+        assert!(plans.is_empty() && lines[0].contains("skipped"), "{lines:?}");
+    }
+
+    #[test]
+    fn entries_carry_the_key_and_the_config_as_the_table_reads_them() {
+        let text = [rec(1.07, 1.08, None), rec(1.01, 1.02, forced("12", "11"))].join("\n");
+        let (plans, _) = decide(&collect(&[("r".into(), text)]).unwrap(), 0.03);
+        let cfg = Family::Fwd.candidates().iter().copied().find(|c| c.is_sm90()).unwrap();
+        let p = &plans[0];
+        assert_eq!(serde_json::from_value::<TileConfig>(p["config"].clone()).unwrap(), cfg);
+        assert_eq!(p["d"].as_u64(), Some(4096));
+        assert_eq!(p["v"].as_u64(), Some(128256));
+    }
+}
