@@ -276,15 +276,33 @@ pub fn run(args: &[String]) -> Result<(), String> {
         let mut text = serde_json::to_string(&table).map_err(|e| e.to_string())?;
         // One entry per line: reviewable diffs.
         text = text.replace("},{\"family\"", "},\n{\"family\"");
+        // The table it replaces may hold forward plans (`cargo xtask table-plans`), which this
+        // one does not: say so rather than drop them quietly.
+        let old_plans = std::fs::read_to_string(&o).ok().map_or(0, |t| plan_count(&t));
         std::fs::write(&o, text + "\n").map_err(|e| format!("{o}: {e}"))?;
         eprintln!("wrote {o}: {} keys", keys.len());
+        if old_plans > 0 {
+            eprintln!("warning: the table replaced held {old_plans} forward plans, this one none: run `cargo xtask table-plans <plans records>` again");
+        }
     }
     Ok(())
+}
+
+/// How many forward plans (`plans`) the table `text` holds (0 when it is not a table).
+fn plan_count(text: &str) -> usize {
+    serde_json::from_str::<Value>(text).ok().and_then(|t| t.get("plans")?.as_array().map(Vec::len)).unwrap_or(0)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn plans_of_a_replaced_table_are_counted() {
+        assert_eq!(plan_count(r#"{"format": 1, "entries": []}"#), 0);
+        assert_eq!(plan_count(r#"{"format": 1, "entries": [], "plans": [{}, {}]}"#), 2);
+        assert_eq!(plan_count("not json"), 0);
+    }
 
     fn rec(family: &str, bucket: u32, times: &[(usize, f64)], ts: u64) -> String {
         let fam: Family = serde_json::from_value(serde_json::json!(family)).unwrap();
