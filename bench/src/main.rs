@@ -138,20 +138,10 @@ fn parse_args() -> Result<Args, String> {
     Ok(a)
 }
 
-/// The launch-plan overrides (`LMHEAD_FWD_*` / `LMHEAD_BWD_*`, docs/PERFORMANCE.md) that `lookup`
-/// finds set, as a record's `plan_overrides`; `None` when the library chose every plan itself.
+/// The launch-plan overrides ([`lmhead::PLAN_OVERRIDE_VARS`]) that `lookup` finds set, as a record's `plan_overrides`; `None` when the library chose every plan itself.
 pub fn plan_overrides(lookup: impl Fn(&str) -> Option<String>) -> Option<serde_json::Value> {
-    const VARS: [&str; 7] = [
-        "LMHEAD_FWD_L2",
-        "LMHEAD_FWD_SPLITS",
-        "LMHEAD_FWD_RASTER",
-        "LMHEAD_FWD_FILL",
-        "LMHEAD_BWD_TILES",
-        "LMHEAD_BWD_RASTER",
-        "LMHEAD_BWD_FILL",
-    ];
     let set: serde_json::Map<String, serde_json::Value> =
-        VARS.iter().filter_map(|&k| lookup(k).map(|v| (k.to_string(), json!(v.trim())))).collect();
+        lmhead::PLAN_OVERRIDE_VARS.iter().filter_map(|&k| lookup(k).map(|v| (k.to_string(), json!(v.trim())))).collect();
     (!set.is_empty()).then_some(serde_json::Value::Object(set))
 }
 

@@ -65,6 +65,7 @@ pub use bwd::{
     auto_chunk, balanced_chunk, BwdConfigs, BwdInputs, BwdOptions, BwdReport, GradOut, MAX_AUTO_CHUNK, MIN_AUTO_CHUNK, STAGING_BUDGET_BYTES,
 };
 pub use fwd::{FwdInputs, FwdOptions, FwdOutputs, FwdReport};
+pub use plan::overrides::PLAN_OVERRIDE_VARS;
 pub use tp::{Communicator, LocalComm, ReduceDh, Shard, TpBackward};
 pub use tune::{Choice, Tuner};
 pub use workspace::ScratchAlloc;

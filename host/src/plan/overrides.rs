@@ -10,6 +10,18 @@ use std::sync::OnceLock;
 
 use lmhead_core::split::PlanOverride;
 
+/// The environment variables [`Overrides`] reads, in one list for whoever records which were set
+/// (the bench's records).
+pub const PLAN_OVERRIDE_VARS: [&str; 7] = [
+    "LMHEAD_FWD_L2",
+    "LMHEAD_FWD_SPLITS",
+    "LMHEAD_FWD_RASTER",
+    "LMHEAD_FWD_FILL",
+    "LMHEAD_BWD_TILES",
+    "LMHEAD_BWD_RASTER",
+    "LMHEAD_BWD_FILL",
+];
+
 /// Every override; `Default` is "none".
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Overrides {
@@ -76,6 +88,22 @@ mod tests {
         assert!(o.fwd_l2_off);
         assert_eq!(o.fwd, PlanOverride { splits: Some(8), tiles: None, raster: Some(16), fill: Some(0) });
         assert_eq!(o.bwd, PlanOverride { splits: None, tiles: Some(3), raster: Some(0), fill: Some(2) });
+    }
+
+    #[test]
+    fn the_listed_variables_are_the_ones_read() {
+        for var in PLAN_OVERRIDE_VARS {
+            assert_ne!(parse(&[(var, "0")]).0, Overrides::default(), "{var} is listed but not read");
+        }
+        // And every variable read is listed.
+        let asked = std::cell::RefCell::new(Vec::new());
+        Overrides::parse(|k| {
+            asked.borrow_mut().push(k.to_string());
+            None
+        });
+        for k in asked.into_inner() {
+            assert!(PLAN_OVERRIDE_VARS.contains(&k.as_str()), "{k} is read but not listed");
+        }
     }
 
     #[test]
