@@ -242,7 +242,7 @@ impl LmHead {
             .tuner
             .table()
             .filter(|(_, fit)| fit.exact_for(family))
-            .and_then(|(table, _)| table.plan(&crate::tune::TuneKey::new(family, p, false), cfg).map(|e| (e.splits, e.raster)));
+            .and_then(|(table, _)| table.plan(family, p, cfg).map(|e| (e.splits, e.raster)));
         Ok(crate::plan::fwd(&self.gpu, self.slots(family, cfg)?, cfg, p, measured))
     }
 

@@ -18,6 +18,7 @@
 use std::collections::BTreeMap;
 
 use lmhead_core::config::{Family, TileConfig};
+use lmhead_core::{Problem, TokenBucket};
 use serde::{Deserialize, Serialize};
 
 use super::TuneKey;
@@ -195,11 +196,13 @@ impl Table {
         out
     }
 
-    /// The plan measured for `key` with `config`, if any.
-    pub fn plan(&self, key: &TuneKey, config: TileConfig) -> Option<&PlanEntry> {
+    /// The plan measured for `family` at `p`'s key (its token bucket, `d`, `v`) with `config`, if
+    /// any. Asked on every forward call, so it builds no [`TuneKey`].
+    pub fn plan(&self, family: Family, p: Problem, config: TileConfig) -> Option<&PlanEntry> {
+        let bucket = TokenBucket::of(p.t).tokens();
         self.plans
             .iter()
-            .find(|e| e.family == key.family && e.bucket == key.bucket.tokens() && e.d == key.d && e.v == key.v && e.config == config)
+            .find(|e| e.family == family && e.bucket == bucket && e.d as usize == p.d && e.v as usize == p.v && e.config == config)
     }
 
     /// The family's best fixed config, if the table has one.
@@ -310,12 +313,13 @@ mod tests {
         });
         let t = Table::parse(&text.to_string()).unwrap();
         assert_eq!(t.plans.len(), 2, "{:?}", t.plans);
-        let p = t.plan(&key(Family::Fwd, 100_000, 128_256, 4096), c[9]).expect("same bucket, shape and config");
+        let p = t.plan(Family::Fwd, Problem::new(100_000, 128_256, 4096), c[9]).expect("same bucket, shape and config");
         assert_eq!((p.splits, p.raster), (12, 11));
-        assert!(t.plan(&key(Family::FwdEnt, 131_072, 128_256, 4096), e[9]).is_some());
-        assert!(t.plan(&key(Family::Fwd, 131_072, 128_256, 4096), c[8]).is_none(), "another config");
-        assert!(t.plan(&key(Family::Fwd, 262_144, 128_256, 4096), c[9]).is_none(), "another bucket");
-        assert!(t.plan(&key(Family::Fwd, 131_072, 64_128, 4096), c[9]).is_none(), "another vocab");
+        assert!(t.plan(Family::FwdEnt, Problem::new(131_072, 128_256, 4096), e[9]).is_some());
+        assert!(t.plan(Family::Fwd, Problem::new(131_072, 128_256, 4096), c[8]).is_none(), "another config");
+        assert!(t.plan(Family::Fwd, Problem::new(262_144, 128_256, 4096), c[9]).is_none(), "another bucket");
+        assert!(t.plan(Family::Fwd, Problem::new(131_072, 64_128, 4096), c[9]).is_none(), "another vocab");
+        assert!(t.plan(Family::Fwd, Problem::new(131_072, 128_256, 5120), c[9]).is_none(), "another d");
         // A table without plans reads as before and writes no `plans` field.
         let t = Table { plans: Vec::new(), ..t };
         assert!(!serde_json::to_string(&t).unwrap().contains("plans"));
