@@ -3,6 +3,9 @@
 //! `host/src/tune/table.rs`) from `lmhead-bench` records of the same shapes timed with the
 //! library's own plan and with forced ones (`run-gpu.sh plans`: records whose `plan_overrides`
 //! are exactly `LMHEAD_FWD_SPLITS` and `LMHEAD_FWD_RASTER`, and records without overrides).
+//! Only records whose timed log-probs were checked against the f64 reference (`check_max_abs`;
+//! the bench writes no record for a run that fails the check) count: a plan is never shipped
+//! from `--no-check` runs.
 //!
 //! Per forward family (the forward, and the forward with entropy), token bucket, `d`, `v` and
 //! config: the mean time against cuBLAS of each plan over its records. A forced plan at least
@@ -39,14 +42,25 @@ fn config(family: Family, suffix: &str) -> Option<TileConfig> {
     family.candidates().iter().copied().find(|c| c.suffix(family) == suffix)
 }
 
-/// Every key's ratios (time / cuBLAS) per plan, from the records in `texts`.
-fn collect(texts: &[(String, String)]) -> Result<BTreeMap<Key, BTreeMap<Plan, Vec<f64>>>, String> {
+/// Every key's ratios (time / cuBLAS) per plan, from the checked records in `texts`.
+struct Collected {
+    keys: BTreeMap<Key, BTreeMap<Plan, Vec<f64>>>,
+    /// Records of a comparable plan left out because their run was not checked.
+    unchecked: usize,
+}
+
+fn collect(texts: &[(String, String)]) -> Result<Collected, String> {
     let mut keys: BTreeMap<Key, BTreeMap<Plan, Vec<f64>>> = BTreeMap::new();
+    let mut unchecked = 0;
     for (name, text) in texts {
         for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
             let rec: Value = serde_json::from_str(line).map_err(|e| format!("{name}:{}: {e}", i + 1))?;
             let Some(plan) = plan_of(&rec) else { continue };
             let Ok(row) = serde_json::from_value::<Row>(rec["row"].clone()) else { continue };
+            if row.check_max_abs.is_none() {
+                unchecked += 1;
+                continue;
+            }
             let c = &row.case;
             let bucket = TokenBucket::of(c.t).tokens();
             for (family, cfg, t) in [(Family::Fwd, &row.fwd_cfg, &row.fwd), (Family::FwdEnt, &row.fwd_ent_cfg, &row.fwd_ent)] {
@@ -56,7 +70,7 @@ fn collect(texts: &[(String, String)]) -> Result<BTreeMap<Key, BTreeMap<Plan, Ve
             }
         }
     }
-    Ok(keys)
+    Ok(Collected { keys, unchecked })
 }
 
 fn mean(x: &[f64]) -> f64 {
@@ -122,7 +136,11 @@ pub fn run(args: &[String]) -> Result<(), String> {
         .collect::<Result<Vec<_>, String>>()?;
     let mut doc: Value = serde_json::from_str(&std::fs::read_to_string(&table).map_err(|e| format!("{table}: {e}"))?)
         .map_err(|e| format!("{table}: not a tuning table: {e}"))?;
-    let (plans, lines) = decide(&collect(&texts)?, margin);
+    let collected = collect(&texts)?;
+    if collected.unchecked > 0 {
+        println!("{} records without the log-prob check (run with --no-check) left out", collected.unchecked);
+    }
+    let (plans, lines) = decide(&collected.keys, margin);
     for l in &lines {
         println!("{l}");
     }
@@ -153,7 +171,7 @@ mod tests {
             "row": {
                 "case": {"model": "m", "tokens": 131072, "tp": 1, "cp": 1, "t": 131072, "v": 128256, "d": 4096, "backward": true},
                 "gemm": t(100.0), "fwd": t(100.0 * fwd), "fwd_ent": t(100.0 * ent), "fwd_bwd": t(430.0),
-                "fwd_cfg": cfg, "fwd_ent_cfg": ent_cfg, "workspace_mib": 1.0,
+                "fwd_cfg": cfg, "fwd_ent_cfg": ent_cfg, "workspace_mib": 1.0, "check_max_abs": 2e-5,
             },
         });
         if let Some(o) = overrides {
@@ -179,7 +197,7 @@ mod tests {
             rec(0.50, 0.50, Some(serde_json::json!({"LMHEAD_FWD_SPLITS": "4", "LMHEAD_FWD_RASTER": "33", "LMHEAD_FWD_FILL": "0"}))),
         ]
         .join("\n");
-        let keys = collect(&[("r".into(), text)]).unwrap();
+        let keys = collect(&[("r".into(), text)]).unwrap().keys;
         let (plans, lines) = decide(&keys, 0.03);
         assert_eq!(lines.len(), 2, "{lines:?}");
         // The forward: 12 × 11 at 1.01 against 1.07 (−5.6%); with entropy: 8 × 17 at 1.02 against 1.085.
@@ -196,17 +214,29 @@ mod tests {
         assert!((plans[0]["ratio"].as_f64().unwrap() - 1.01 / 1.07).abs() < 1e-3);
         // Within the margin: nothing.
         let text = [rec(1.07, 1.08, None), rec(1.05, 1.07, forced("12", "11"))].join("\n");
-        let (plans, lines) = decide(&collect(&[("r".into(), text)]).unwrap(), 0.03);
+        let (plans, lines) = decide(&collect(&[("r".into(), text)]).unwrap().keys, 0.03);
         assert!(plans.is_empty(), "{lines:?}");
         // Without a run of the library's plan: nothing to compare with.
-        let (plans, lines) = decide(&collect(&[("r".into(), rec(1.0, 1.0, forced("12", "11")))]).unwrap(), 0.03);
+        let (plans, lines) = decide(&collect(&[("r".into(), rec(1.0, 1.0, forced("12", "11")))]).unwrap().keys, 0.03);
         assert!(plans.is_empty() && lines[0].contains("skipped"), "{lines:?}");
+    }
+
+    #[test]
+    fn unchecked_records_do_not_count() {
+        // The forced plan's only fast record was run with --no-check: no plan, one record counted out.
+        let mut fast = serde_json::from_str::<Value>(&rec(1.01, 1.02, forced("12", "11"))).unwrap();
+        fast["row"]["check_max_abs"] = Value::Null;
+        let text = [rec(1.07, 1.08, None), fast.to_string(), rec(1.06, 1.08, forced("12", "11"))].join("\n");
+        let c = collect(&[("r".into(), text)]).unwrap();
+        assert_eq!(c.unchecked, 1);
+        let (plans, lines) = decide(&c.keys, 0.03);
+        assert!(plans.is_empty(), "{lines:?}");
     }
 
     #[test]
     fn entries_carry_the_key_and_the_config_as_the_table_reads_them() {
         let text = [rec(1.07, 1.08, None), rec(1.01, 1.02, forced("12", "11"))].join("\n");
-        let (plans, _) = decide(&collect(&[("r".into(), text)]).unwrap(), 0.03);
+        let (plans, _) = decide(&collect(&[("r".into(), text)]).unwrap().keys, 0.03);
         let cfg = Family::Fwd.candidates().iter().copied().find(|c| c.is_sm90()).unwrap();
         let p = &plans[0];
         assert_eq!(serde_json::from_value::<TileConfig>(p["config"].clone()).unwrap(), cfg);
