@@ -1,4 +1,4 @@
-//! `cargo xtask table-plans [--table FILE] [--margin M] <records.jsonl>...`: the forward launch
+//! `cargo xtask table-plans [--table FILE] [--margin M] [--replace] <records.jsonl>...`: the forward launch
 //! plans of the shipped tuning table (`plans` of `host/tuned/<device>.json`, read by
 //! `host/src/tune/table.rs`) from `lmhead-bench` records of the same shapes timed with the
 //! library's own plan and with forced ones (`run-gpu.sh plans`: records whose `plan_overrides`
@@ -10,8 +10,10 @@
 //! Per forward family (the forward, and the forward with entropy), token bucket, `d`, `v` and
 //! config: the mean time against cuBLAS of each plan over its records. A forced plan at least
 //! `margin` (default 0.03, about the bench's run-to-run spread) faster than the library's becomes
-//! the table's plan for that key; the table's `plans` are replaced whole. Prints every key's
-//! verdict.
+//! the table's plan for that key. The table's other plans stay: those of keys the records do not
+//! time, and those of keys where no forced plan won (there the library's runs took the table's
+//! plan, when it held one). `--replace` drops every plan the records do not give. Prints every
+//! key's verdict.
 
 use std::collections::BTreeMap;
 
@@ -109,14 +111,33 @@ fn decide(keys: &BTreeMap<Key, BTreeMap<Plan, Vec<f64>>>, margin: f64) -> (Vec<V
     (plans, lines)
 }
 
+/// The identity of a plan entry: family, bucket, d, v, config (as the table reads them).
+fn entry_key(e: &Value) -> [String; 5] {
+    ["family", "bucket", "d", "v", "config"].map(|k| e.get(k).map_or(String::new(), Value::to_string))
+}
+
+/// `old` with `new` in place of the entries of the same keys (all of `old` dropped when
+/// `replace`), sorted by key; and how many of `old` stayed.
+fn merge(old: &[Value], new: Vec<Value>, replace: bool) -> (Vec<Value>, usize) {
+    let mut by_key: BTreeMap<[String; 5], Value> = BTreeMap::new();
+    if !replace {
+        by_key.extend(old.iter().map(|e| (entry_key(e), e.clone())));
+    }
+    let kept = by_key.keys().filter(|k| !new.iter().any(|e| entry_key(e) == **k)).count();
+    by_key.extend(new.into_iter().map(|e| (entry_key(&e), e)));
+    (by_key.into_values().collect(), kept)
+}
+
 pub fn run(args: &[String]) -> Result<(), String> {
     let mut table = "host/tuned/NVIDIA-H200.json".to_string();
     let mut margin = 0.03;
+    let mut replace = false;
     let mut files = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--table" => table = it.next().ok_or("--table needs a file")?.clone(),
+            "--replace" => replace = true,
             "--margin" => {
                 margin = it.next().ok_or("--margin needs a value")?.parse().map_err(|e| format!("--margin: {e}"))?;
                 if !(0.0..1.0).contains(&margin) {
@@ -128,7 +149,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
         }
     }
     if files.is_empty() {
-        return Err("usage: cargo xtask table-plans [--table FILE] [--margin M] <records.jsonl>...".into());
+        return Err("usage: cargo xtask table-plans [--table FILE] [--margin M] [--replace] <records.jsonl>...".into());
     }
     let texts = files
         .iter()
@@ -145,6 +166,8 @@ pub fn run(args: &[String]) -> Result<(), String> {
         println!("{l}");
     }
     let obj = doc.as_object_mut().ok_or_else(|| format!("{table}: not a tuning table"))?;
+    let old = obj.get("plans").and_then(Value::as_array).cloned().unwrap_or_default();
+    let (plans, kept) = merge(&old, plans, replace);
     if plans.is_empty() {
         obj.remove("plans");
     } else {
@@ -152,7 +175,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     }
     let text = serde_json::to_string(&doc).map_err(|e| e.to_string())?;
     std::fs::write(&table, text).map_err(|e| format!("{table}: {e}"))?;
-    eprintln!("wrote {table}: {} plans", plans.len());
+    eprintln!("wrote {table}: {} plans ({kept} of the table's {} kept)", plans.len(), old.len());
     Ok(())
 }
 
@@ -231,6 +254,27 @@ mod tests {
         assert_eq!(c.unchecked, 1);
         let (plans, lines) = decide(&c.keys, 0.03);
         assert!(plans.is_empty(), "{lines:?}");
+    }
+
+    #[test]
+    fn new_plans_replace_their_keys_and_the_others_stay() {
+        let e = |family: &str, v: u64, splits: u64| serde_json::json!({"family": family, "bucket": 131072, "d": 4096, "v": v, "config": {"bm": 128}, "splits": splits, "raster": 11});
+        let old = [e("Fwd", 128256, 12), e("FwdEnt", 128256, 12), e("Fwd", 64128, 8)];
+        let (merged, kept) = merge(&old, vec![e("Fwd", 128256, 15), e("Fwd", 32064, 9)], false);
+        assert_eq!(kept, 2);
+        assert_eq!(merged.len(), 4, "{merged:?}");
+        let splits = |f: &str, v: u64| merged.iter().find(|x| x["family"] == f && x["v"] == v).map(|x| x["splits"].as_u64().unwrap());
+        assert_eq!(
+            (splits("Fwd", 128256), splits("FwdEnt", 128256), splits("Fwd", 64128), splits("Fwd", 32064)),
+            (Some(15), Some(12), Some(8), Some(9))
+        );
+        // Another config is another key.
+        let mut other = e("Fwd", 128256, 4);
+        other["config"] = serde_json::json!({"bm": 256});
+        assert_eq!(merge(&old, vec![other], false).0.len(), 4);
+        // --replace: only what the records give.
+        let (merged, kept) = merge(&old, vec![e("Fwd", 32064, 9)], true);
+        assert_eq!((merged.len(), kept), (1, 0));
     }
 
     #[test]
