@@ -3,7 +3,7 @@
 //! each sm90 `dh` candidate (the d-logits and `dW` tuned) and the tuned backward, beside a cuBLAS
 //! GEMM of the same shape and four of them back to back (the training step's FLOP as one
 //! sustained load: what the GEMM baseline itself loses to the clock when it runs as long as the
-//! step). The variants take turns within each round (in an order shuffled per round), so all see
+//! step). The variants take turns within each round (orders that spread what runs before each one, `RoundOrders`), so all see
 //! the same clock: what a config costs in the steady state, without editing a tuning cache.
 //! Unless `--no-check`, each forward variant's log-probs are then checked against the f64
 //! reference on sampled rows.
@@ -79,11 +79,12 @@ fn probe(head: &LmHead, stream: &Arc<CudaStream>, args: &Args, (t, v, d): (usize
     // Variant 0: one GEMM; then the forwards, the backwards; last, four GEMMs back to back.
     let n = 2 + fwd.len() + bwd.len();
     let mut ts: Vec<Vec<f64>> = vec![Vec::new(); n];
-    // Each round runs the variants in an order of its own (shuffled, seeded by the round), so
-    // that no variant always follows the same one: a variant's time depends on the one before it
+    // Each round runs the variants in an order of its own (`RoundOrders`), so that no
+    // variant always follows the same one: a variant's time depends on the one before it
     // (a slow kernel leaves the board cooler, and the next one clocks higher), by up to 5% here.
+    let mut orders = crate::RoundOrders::new(n, n - 1);
     for round in 0..reps + 2 {
-        for i in crate::shuffled(n, round as u64) {
+        for i in orders.next(&vec![true; n]) {
             let ms = if i == 0 {
                 sample(stream, &mut || gemm.run(&h, &w))?
             } else if i == n - 1 {
@@ -101,7 +102,7 @@ fn probe(head: &LmHead, stream: &Arc<CudaStream>, args: &Args, (t, v, d): (usize
     }
     let med: Vec<f64> = ts.iter_mut().map(|x| median(x)).collect();
     let g = med[0];
-    println!("# config-probe t={t} v={v} d={d} rounds={reps} (order shuffled per round): cuBLAS {g:.3} ms");
+    println!("# config-probe t={t} v={v} d={d} rounds={reps} (order balanced over rounds): cuBLAS {g:.3} ms");
     // The tuned forwards' labels name the config and plan they ran.
     let mut fwd_labels = Vec::new();
     for (label, f, c) in &fwd {

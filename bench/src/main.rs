@@ -28,11 +28,11 @@
 //!
 //! Measurement hygiene: random inputs (never zeros); tuning and warm-up of every operation before
 //! any timing; then `--reps` rounds, each timing cuBLAS, the forward, the forward with entropy
-//! and (first 5 rounds) forward+backward once in turn with CUDA events, in an order shuffled per
-//! round (seeded by the round; `--fixed-order`: always in that order, which measured the
-//! forwards 0.2–1.6% faster against cuBLAS than shuffled rounds, docs/PERFORMANCE.md), so that
-//! all see the same clock and temperature (the H200 runs these shapes at its power limit) and
-//! none always follows the same one; the median of the
+//! and (first 5 rounds) forward+backward once in turn with CUDA events, in orders that spread
+//! what runs right before each operation over the others ([`RoundOrders`]; `--fixed-order`:
+//! always in that order, which measured the forwards 0.2–1.6% faster against cuBLAS than
+//! shuffled rounds, docs/PERFORMANCE.md), so that all see the same clock and temperature (the
+//! H200 runs these shapes at its power limit) and none always follows the same one; the median of the
 //! rounds (p20/p80 kept); operands are not rotated, but `W` is at least twice the 60 MB L2 at
 //! every suite shape; and a check of the timed runs' log-probs on sampled rows against the f64
 //! reference, so a fast wrong kernel cannot win. Records name the forwards' launch plans
@@ -82,10 +82,11 @@ pub struct Args {
     pub bwd_chunk: Option<usize>,
     /// Time the forwards with the label check on.
     pub check_labels: bool,
-    /// Each round times cuBLAS and the fused operations in an order of its own ([`shuffled`],
-    /// seeded by the round); `--fixed-order` turns it off (always cuBLAS, then each head's
-    /// forward, entropy and step), as the records before 2026-12-01 were measured.
-    pub shuffle: bool,
+    /// Each round times cuBLAS and the fused operations in an order of its own
+    /// ([`RoundOrders`]); `--fixed-order` turns it off (always cuBLAS,
+    /// then each head's forward, entropy and step), as the records before 2026-12-01 were
+    /// measured.
+    pub balanced: bool,
     /// `tune-table`: result files of earlier runs whose shapes are skipped.
     pub resume: Vec<String>,
 }
@@ -104,7 +105,7 @@ fn parse_args() -> Result<Args, String> {
         skip: 0,
         bwd_chunk: None,
         check_labels: false,
-        shuffle: true,
+        balanced: true,
         resume: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
@@ -119,9 +120,9 @@ fn parse_args() -> Result<Args, String> {
             "--versus-fixed" => a.versus_fixed = true,
             "--no-check" => a.check = false,
             "--check-labels" => a.check_labels = true,
-            "--fixed-order" => a.shuffle = false,
-            // The default since the order was measured; kept so that older commands still run.
-            "--shuffle" => a.shuffle = true,
+            "--fixed-order" => a.balanced = false,
+            // The default rounds (once shuffled, now balanced); kept so that older commands still run.
+            "--shuffle" => a.balanced = true,
             "--bwd-chunk" => {
                 a.bwd_chunk = Some(it.next().ok_or("--bwd-chunk needs a value")?.parse().map_err(|e| format!("--bwd-chunk: {e}"))?)
             }
@@ -145,14 +146,49 @@ pub fn plan_overrides(lookup: impl Fn(&str) -> Option<String>) -> Option<serde_j
     (!set.is_empty()).then_some(serde_json::Value::Object(set))
 }
 
-/// `0..n` in the order of a Fisher–Yates shuffle seeded by `seed`.
-pub fn shuffled(n: usize, seed: u64) -> Vec<usize> {
-    let mut rng = Rng::new(seed);
-    let mut order: Vec<usize> = (0..n).collect();
-    for k in (1..n).rev() {
-        order.swap(k, (rng.next_u64() % (k as u64 + 1)) as usize);
+/// The order of each round of timings, chosen so that what runs right before each operation
+/// (whose after-effect on the clock its time carries) is spread over the others as evenly as
+/// the rounds allow, counting the step from one round into the next and from the warm-up into
+/// the first. Greedy: each position takes, among the operations left in the round, the one that
+/// has followed the previous operation least often, then the one least often at this position,
+/// then the lowest index; never the previous operation itself. Deterministic (no seed), so runs
+/// compared A/B time the same order. A seeded shuffle per round, used before, was not balanced
+/// over a few rounds: at `--reps 3` it timed the forward with entropy right after
+/// forward+backward in all three rounds (the first after the warm-up's step).
+pub struct RoundOrders {
+    prev: usize,
+    /// `after[p][x]`: how often operation `x` ran right after `p`.
+    after: Vec<Vec<u32>>,
+    /// `at[x][i]`: how often operation `x` ran at position `i` of a round.
+    at: Vec<Vec<u32>>,
+}
+
+impl RoundOrders {
+    /// `n` operations; `last` ran right before the first round.
+    pub fn new(n: usize, last: usize) -> RoundOrders {
+        RoundOrders { prev: last, after: vec![vec![0; n]; n], at: vec![vec![0; n]; n] }
     }
-    order
+
+    /// The next round: the operations `present` marks, in the order to time them.
+    pub fn next(&mut self, present: &[bool]) -> Vec<usize> {
+        let mut left: Vec<usize> = (0..present.len()).filter(|&x| present[x]).collect();
+        let mut order = Vec::with_capacity(left.len());
+        while !left.is_empty() {
+            let (p, pos) = (self.prev, order.len());
+            let pick = left
+                .iter()
+                .copied()
+                .filter(|&x| x != p || left.len() == 1)
+                .min_by_key(|&x| (self.after[p][x], self.at[x][pos], x))
+                .expect("an operation is left");
+            self.after[p][pick] += 1;
+            self.at[pick][pos] += 1;
+            self.prev = pick;
+            left.retain(|&x| x != pick);
+            order.push(pick);
+        }
+        order
+    }
 }
 
 /// Random bf16 data in parallel (SplitMix per chunk): `N(0, scale²)`-ish via a sum of uniforms.
@@ -350,25 +386,29 @@ fn measure(heads: &[&LmHead], stream: &Arc<CudaStream>, c: &Case, args: &Args, s
     }
     let bwd_reps = args.reps.clamp(1, 5);
     let mut t_gemm = Vec::new();
+    // The round's operations: cuBLAS, then each head's forward, entropy and (first rounds) step.
+    let mut items: Vec<Option<(usize, Op)>> = vec![None];
+    for i in 0..ops.len() {
+        items.extend([Some((i, Op::Fwd)), Some((i, Op::FwdEnt))]);
+        if c.backward {
+            items.push(Some((i, Op::FwdBwd)));
+        }
+    }
+    // The warm-up above ended with the last item (the last head's step, or its entropy forward).
+    let mut orders = RoundOrders::new(items.len(), items.len() - 1);
     for r in 0..args.reps {
-        // Several heads take turns going first, so that none always runs right after cuBLAS
-        // (at identical configs a fixed order showed a bias of about ±0.5%).
-        if r > 0 {
+        // In the fixed order several heads take turns going first, so that none always runs
+        // right after cuBLAS (at identical configs a fixed order showed a bias of about ±0.5%).
+        if !args.balanced && r > 0 {
             ops.rotate_left(1);
         }
-        // The round's timings: cuBLAS, then each head's operations, in an order of the round's
-        // own (so that no operation always runs right after the same one: a kernel's clock
-        // depends on what ran before it) or, with `--fixed-order`, in this one.
-        let mut round: Vec<Option<(usize, Op)>> = vec![None];
-        for i in 0..ops.len() {
-            round.extend([Some((i, Op::Fwd)), Some((i, Op::FwdEnt))]);
-            if c.backward && r < bwd_reps {
-                round.push(Some((i, Op::FwdBwd)));
-            }
-        }
-        let order: Vec<usize> = if args.shuffle { shuffled(round.len(), r as u64) } else { (0..round.len()).collect() };
+        // The round's timings: in an order of the round's own (so that no operation always runs
+        // right after the same one: a kernel's clock depends on what ran before it) or, with
+        // `--fixed-order`, in the listed one.
+        let present: Vec<bool> = items.iter().map(|it| !matches!(it, Some((_, Op::FwdBwd))) || r < bwd_reps).collect();
+        let order: Vec<usize> = if args.balanced { orders.next(&present) } else { (0..items.len()).filter(|&j| present[j]).collect() };
         for j in order {
-            match round[j] {
+            match items[j] {
                 None => t_gemm.push(sample(stream, &mut || blas.run(&h, &w))?),
                 Some((i, op)) => {
                     let o = &mut ops[i];
@@ -384,9 +424,11 @@ fn measure(heads: &[&LmHead], stream: &Arc<CudaStream>, c: &Case, args: &Args, s
     }
     drop(blas);
     let gemm = timing(t_gemm);
-    // Back to the callers' order (each round rotated by one).
-    let n = ops.len();
-    ops.rotate_right(args.reps.saturating_sub(1) % n);
+    // Back to the callers' order (in the fixed order each round rotated by one).
+    if !args.balanced {
+        let n = ops.len();
+        ops.rotate_right(args.reps.saturating_sub(1) % n);
+    }
     let mut rows = Vec::new();
     for o in ops {
         // Check the timed runs' outputs on sampled rows: log-prob of both forwards.
@@ -628,7 +670,7 @@ fn main() {
                             "tuning": tuning,
                             "row": r,
                         });
-                        rec["order"] = json!(if args.shuffle { "shuffled" } else { "fixed" });
+                        rec["order"] = json!(if args.balanced { "balanced" } else { "fixed" });
                         if let Some(o) = plan_overrides(|k| std::env::var(k).ok()) {
                             rec["plan_overrides"] = o;
                         }
@@ -646,7 +688,7 @@ fn main() {
 
 #[cfg(test)]
 mod tests {
-    use super::{plan_overrides, shuffled};
+    use super::{plan_overrides, RoundOrders};
 
     #[test]
     fn plan_overrides_name_the_variables_set() {
@@ -659,21 +701,58 @@ mod tests {
         assert_eq!(plan_overrides(env), Some(serde_json::json!({"LMHEAD_FWD_SPLITS": "12", "LMHEAD_FWD_RASTER": "11"})));
     }
 
+    /// Runs `rounds` rounds of `n` operations (all present) after `last`: the orders and, per
+    /// operation, how often each other one ran right before it.
+    fn run_rounds(n: usize, rounds: usize, last: usize) -> (Vec<Vec<usize>>, Vec<Vec<u32>>) {
+        let mut o = RoundOrders::new(n, last);
+        let orders: Vec<Vec<usize>> = (0..rounds).map(|_| o.next(&vec![true; n])).collect();
+        let mut before = vec![vec![0u32; n]; n];
+        let mut prev = last;
+        for x in orders.iter().flatten() {
+            before[*x][prev] += 1;
+            prev = *x;
+        }
+        (orders, before)
+    }
+
     #[test]
-    fn shuffled_orders_are_permutations_that_vary_by_round() {
-        for n in [1, 2, 4, 15] {
-            for seed in 0..8 {
-                let mut o = shuffled(n, seed);
-                o.sort_unstable();
-                assert_eq!(o, (0..n).collect::<Vec<_>>(), "n {n} seed {seed}");
+    fn round_orders_spread_each_predecessor() {
+        for n in 1..=10usize {
+            for rounds in 1..=3 * n {
+                let (orders, before) = run_rounds(n, rounds, n - 1);
+                for o in &orders {
+                    let mut s = o.clone();
+                    s.sort_unstable();
+                    assert_eq!(s, (0..n).collect::<Vec<_>>(), "n {n}: {o:?} is not a permutation");
+                }
+                for (x, b) in before.iter().enumerate() {
+                    let others: Vec<u32> = (0..n).filter(|&y| y != x).map(|y| b[y]).collect();
+                    if n > 1 {
+                        assert_eq!(b[x], 0, "n {n} rounds {rounds}: {x} ran right after itself");
+                        let (lo, hi) = (others.iter().min().unwrap(), others.iter().max().unwrap());
+                        assert!(hi - lo <= 2, "n {n} rounds {rounds}: before {x}: {b:?}");
+                    }
+                }
             }
         }
-        // Over rounds, each of four operations follows more than one predecessor.
-        let rounds: Vec<Vec<usize>> = (0..8).map(|r| shuffled(4, r)).collect();
-        for x in 0..4 {
-            let before: std::collections::BTreeSet<Option<usize>> =
-                rounds.iter().map(|o| o.iter().position(|&y| y == x).and_then(|p| p.checked_sub(1)).map(|p| o[p])).collect();
-            assert!(before.len() > 1, "operation {x} always after {before:?}");
+        // The bench's round of one head with the backward (cuBLAS, forward, entropy, step) at
+        // --reps 3 after the warm-up's step: each operation after three different ones.
+        let (orders, before) = run_rounds(4, 3, 3);
+        for (x, b) in before.iter().enumerate() {
+            assert!(b.iter().all(|&c| c <= 1), "{x} after {b:?} in {orders:?}");
+        }
+    }
+
+    #[test]
+    fn absent_operations_are_left_out() {
+        let mut o = RoundOrders::new(4, 3);
+        let full = o.next(&[true; 4]);
+        assert_eq!(full.len(), 4);
+        for _ in 0..5 {
+            let r = o.next(&[true, true, true, false]);
+            let mut s = r.clone();
+            s.sort_unstable();
+            assert_eq!(s, vec![0, 1, 2]);
         }
     }
 }
