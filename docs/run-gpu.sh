@@ -108,7 +108,9 @@ for s in "${steps[@]}"; do
       # ${PLAN_REPS:-3}` into $OUT/plans.jsonl, with the check of the timed log-probs against
       # the f64 reference (a plan that fails it leaves no record; each record names its plan,
       # `fwd_plan`, and the forced ones their `plan_overrides`; `cargo xtask table-plans` reads
-      # them). BUDGET: stop before a case once that many seconds are spent.
+      # them). A variant `chunk=<N>` instead times the library's plans with the backward's vocab
+      # chunk forced to N columns (`--bwd-chunk N`; records carry `bwd_chunk`), against the
+      # library's own chunk. BUDGET: stop before a case once that many seconds are spent.
       while read -r c vars; do
         [ -z "${c:-}" ] && continue
         if [ -n "${BUDGET:-}" ] && [ $(( $(date +%s) - t0 )) -ge "$BUDGET" ]; then
@@ -119,9 +121,14 @@ for s in "${steps[@]}"; do
         order=(planner $vars)
         for (( i = ${#order[@]} - 1; i >= 0; i-- )); do order+=("${order[i]}"); done
         for p in "${order[@]}"; do
-          if [ "$p" = planner ]; then env=(env); else env=(env "LMHEAD_FWD_SPLITS=${p%x*}" "LMHEAD_FWD_RASTER=${p#*x}"); fi
+          env=(env); args=()
+          case "$p" in
+            planner) ;;
+            chunk=*) args=(--bwd-chunk "${p#chunk=}") ;;
+            *) env=(env "LMHEAD_FWD_SPLITS=${p%x*}" "LMHEAD_FWD_RASTER=${p#*x}") ;;
+          esac
           "${env[@]}" timeout ${PLAN_TIMEOUT:-150} "$B/lmhead-bench" sweep --filter "$c" --reps ${PLAN_REPS:-3} \
-            --out "$OUT/plans.jsonl" < /dev/null >> "$OUT/plans.log" 2>&1
+            ${args[@]+"${args[@]}"} --out "$OUT/plans.jsonl" < /dev/null >> "$OUT/plans.log" 2>&1
           echo "$c $p: exit $?"
         done
         echo "$c: $(( $(date +%s) - c0 )) s"

@@ -674,6 +674,9 @@ fn main() {
                         if let Some(o) = plan_overrides(|k| std::env::var(k).ok()) {
                             rec["plan_overrides"] = o;
                         }
+                        if let Some(chunk) = args.bwd_chunk {
+                            rec["bwd_chunk"] = json!(chunk);
+                        }
                         let _ = writeln!(o, "{rec}");
                     }
                 }

@@ -1,7 +1,8 @@
 //! `docs/run-gpu.sh plans` (forward launch plans side by side on the GPU machine) with a stand-in
 //! for `lmhead-bench` that only records how it was called: the cache-filling run, then the
 //! planner's plan and each forced plan in the order planner, A, B, B, A, planner, each with its
-//! own `LMHEAD_FWD_SPLITS` / `LMHEAD_FWD_RASTER` and the log-prob check on. Needs `bash`; without it the test prints why it
+//! own `LMHEAD_FWD_SPLITS` / `LMHEAD_FWD_RASTER` (or, for a `chunk=<N>` variant, `--bwd-chunk N`)
+//! and the log-prob check on. Needs `bash`; without it the test prints why it
 //! skips.
 
 use std::path::Path;
@@ -23,7 +24,11 @@ fn plans_step_runs_each_plan_in_mirrored_order() {
         std::fs::set_permissions(gpu.join("lmhead-bench"), std::fs::Permissions::from_mode(0o755)).unwrap();
     }
     let cases = dir.join("plan-cases.txt");
-    std::fs::write(&cases, "llama-3.1-8b/tok128k/tp1cp1 8x17 12x11\n\nqwen2.5-14b/tok64k/tp4cp1 15x9\n").unwrap();
+    std::fs::write(
+        &cases,
+        "llama-3.1-8b/tok128k/tp1cp1 8x17 12x11\n\nqwen2.5-14b/tok64k/tp4cp1 15x9\nqwen2.5-14b/tok64k/tp2cp1 chunk=8448 12x11\n",
+    )
+    .unwrap();
     let run = Command::new("bash")
         .arg(gpu.join("run-gpu.sh"))
         .arg("plans")
@@ -49,7 +54,8 @@ fn plans_step_runs_each_plan_in_mirrored_order() {
     let res = out.join("plans.jsonl");
     let timed = |case: &str, plan: &str| format!("{plan} sweep --filter {case} --reps 3 --out {}", res.display());
     let fill = |case: &str| format!("-x- sweep --filter {case} --reps 1 --no-check --out /dev/null");
-    let (a, b) = ("llama-3.1-8b/tok128k/tp1cp1", "qwen2.5-14b/tok64k/tp4cp1");
+    let chunked = |case: &str, chunk: u32| format!("-x- sweep --filter {case} --reps 3 --bwd-chunk {chunk} --out {}", res.display());
+    let (a, b, c) = ("llama-3.1-8b/tok128k/tp1cp1", "qwen2.5-14b/tok64k/tp4cp1", "qwen2.5-14b/tok64k/tp2cp1");
     let want = [
         fill(a),
         timed(a, "-x-"),
@@ -63,6 +69,13 @@ fn plans_step_runs_each_plan_in_mirrored_order() {
         timed(b, "15x9"),
         timed(b, "15x9"),
         timed(b, "-x-"),
+        fill(c),
+        timed(c, "-x-"),
+        chunked(c, 8448),
+        timed(c, "12x11"),
+        timed(c, "12x11"),
+        chunked(c, 8448),
+        timed(c, "-x-"),
     ];
     assert_eq!(got.lines().collect::<Vec<_>>(), want, "stdout:\n{stdout}");
 }
