@@ -47,12 +47,16 @@ fn config(family: Family, suffix: &str) -> Option<TileConfig> {
 /// Every key's ratios (time / cuBLAS) per plan, from the checked records in `texts`.
 struct Collected {
     keys: BTreeMap<Key, BTreeMap<Plan, Vec<f64>>>,
+    /// The plan the library's own runs of each key took (`fwd_plan` / `fwd_ent_plan`), for the
+    /// verdict lines: the L2 model's, or the table's where it held one.
+    library: BTreeMap<Key, (u32, u32)>,
     /// Records of a comparable plan left out because their run was not checked.
     unchecked: usize,
 }
 
 fn collect(texts: &[(String, String)]) -> Result<Collected, String> {
     let mut keys: BTreeMap<Key, BTreeMap<Plan, Vec<f64>>> = BTreeMap::new();
+    let mut library = BTreeMap::new();
     let mut unchecked = 0;
     for (name, text) in texts {
         for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
@@ -65,14 +69,19 @@ fn collect(texts: &[(String, String)]) -> Result<Collected, String> {
             }
             let c = &row.case;
             let bucket = TokenBucket::of(c.t).tokens();
-            for (family, cfg, t) in [(Family::Fwd, &row.fwd_cfg, &row.fwd), (Family::FwdEnt, &row.fwd_ent_cfg, &row.fwd_ent)] {
+            let runs =
+                [(Family::Fwd, &row.fwd_cfg, &row.fwd, row.fwd_plan), (Family::FwdEnt, &row.fwd_ent_cfg, &row.fwd_ent, row.fwd_ent_plan)];
+            for (family, cfg, t, ran) in runs {
                 let Some(cfg) = config(family, cfg) else { continue };
                 let key = (family, bucket, c.d as u32, c.v as u32, cfg);
                 keys.entry(key).or_default().entry(plan).or_default().push(t.p50 / row.gemm.p50);
+                if let (None, Some(ran)) = (plan, ran) {
+                    library.insert(key, (ran.splits, ran.raster));
+                }
             }
         }
     }
-    Ok(Collected { keys, unchecked })
+    Ok(Collected { keys, library, unchecked })
 }
 
 fn mean(x: &[f64]) -> f64 {
@@ -81,9 +90,10 @@ fn mean(x: &[f64]) -> f64 {
 
 /// The table's plan entries (JSON, as `host/src/tune/table.rs` reads them) and a verdict line
 /// per key.
-fn decide(keys: &BTreeMap<Key, BTreeMap<Plan, Vec<f64>>>, margin: f64) -> (Vec<Value>, Vec<String>) {
+fn decide(c: &Collected, margin: f64) -> (Vec<Value>, Vec<String>) {
     let (mut plans, mut lines) = (Vec::new(), Vec::new());
-    for (&(family, bucket, d, v, cfg), by_plan) in keys {
+    for (key, by_plan) in &c.keys {
+        let &(family, bucket, d, v, cfg) = key;
         let name = format!("{family:?} bucket {bucket} d {d} v {v} {}", cfg.suffix(family));
         let Some(lib) = by_plan.get(&None).map(|x| mean(x)) else {
             lines.push(format!("{name}: no run with the library's plan, skipped"));
@@ -96,8 +106,9 @@ fn decide(keys: &BTreeMap<Key, BTreeMap<Plan, Vec<f64>>>, margin: f64) -> (Vec<V
         };
         let ratio = t / lib;
         let keep = ratio <= 1.0 - margin;
+        let ran = c.library.get(key).map_or(String::new(), |(s, g)| format!(" ({s} × {g})"));
         lines.push(format!(
-            "{name}: library {lib:.3}, best forced {splits} × {raster} {t:.3} ({:+.1}%){}",
+            "{name}: library{ran} {lib:.3}, best forced {splits} × {raster} {t:.3} ({:+.1}%){}",
             100.0 * (ratio - 1.0),
             if keep { " -> table" } else { "" }
         ));
@@ -161,7 +172,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     if collected.unchecked > 0 {
         println!("{} records without the log-prob check (run with --no-check) left out", collected.unchecked);
     }
-    let (plans, lines) = decide(&collected.keys, margin);
+    let (plans, lines) = decide(&collected, margin);
     for l in &lines {
         println!("{l}");
     }
@@ -197,8 +208,13 @@ mod tests {
                 "fwd_cfg": cfg, "fwd_ent_cfg": ent_cfg, "workspace_mib": 1.0, "check_max_abs": 2e-5,
             },
         });
-        if let Some(o) = overrides {
-            r["plan_overrides"] = o;
+        match overrides {
+            Some(o) => r["plan_overrides"] = o,
+            None => {
+                let modelled = serde_json::json!({"splits": 5, "raster": 27, "fill": 0});
+                r["row"]["fwd_plan"] = modelled.clone();
+                r["row"]["fwd_ent_plan"] = modelled;
+            }
         }
         r.to_string()
     }
@@ -220,9 +236,10 @@ mod tests {
             rec(0.50, 0.50, Some(serde_json::json!({"LMHEAD_FWD_SPLITS": "4", "LMHEAD_FWD_RASTER": "33", "LMHEAD_FWD_FILL": "0"}))),
         ]
         .join("\n");
-        let keys = collect(&[("r".into(), text)]).unwrap().keys;
+        let keys = collect(&[("r".into(), text)]).unwrap();
         let (plans, lines) = decide(&keys, 0.03);
         assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(lines.iter().all(|l| l.contains("library (5 × 27) ")), "{lines:?}");
         // The forward: 12 × 11 at 1.01 against 1.07 (−5.6%); with entropy: 8 × 17 at 1.02 against 1.085.
         assert_eq!(plans.len(), 2, "{lines:?}");
         assert_eq!(
@@ -237,10 +254,10 @@ mod tests {
         assert!((plans[0]["ratio"].as_f64().unwrap() - 1.01 / 1.07).abs() < 1e-3);
         // Within the margin: nothing.
         let text = [rec(1.07, 1.08, None), rec(1.05, 1.07, forced("12", "11"))].join("\n");
-        let (plans, lines) = decide(&collect(&[("r".into(), text)]).unwrap().keys, 0.03);
+        let (plans, lines) = decide(&collect(&[("r".into(), text)]).unwrap(), 0.03);
         assert!(plans.is_empty(), "{lines:?}");
         // Without a run of the library's plan: nothing to compare with.
-        let (plans, lines) = decide(&collect(&[("r".into(), rec(1.0, 1.0, forced("12", "11")))]).unwrap().keys, 0.03);
+        let (plans, lines) = decide(&collect(&[("r".into(), rec(1.0, 1.0, forced("12", "11")))]).unwrap(), 0.03);
         assert!(plans.is_empty() && lines[0].contains("skipped"), "{lines:?}");
     }
 
@@ -252,7 +269,7 @@ mod tests {
         let text = [rec(1.07, 1.08, None), fast.to_string(), rec(1.06, 1.08, forced("12", "11"))].join("\n");
         let c = collect(&[("r".into(), text)]).unwrap();
         assert_eq!(c.unchecked, 1);
-        let (plans, lines) = decide(&c.keys, 0.03);
+        let (plans, lines) = decide(&c, 0.03);
         assert!(plans.is_empty(), "{lines:?}");
     }
 
@@ -280,7 +297,7 @@ mod tests {
     #[test]
     fn entries_carry_the_key_and_the_config_as_the_table_reads_them() {
         let text = [rec(1.07, 1.08, None), rec(1.01, 1.02, forced("12", "11"))].join("\n");
-        let (plans, _) = decide(&collect(&[("r".into(), text)]).unwrap().keys, 0.03);
+        let (plans, _) = decide(&collect(&[("r".into(), text)]).unwrap(), 0.03);
         let cfg = Family::Fwd.candidates().iter().copied().find(|c| c.is_sm90()).unwrap();
         let p = &plans[0];
         assert_eq!(serde_json::from_value::<TileConfig>(p["config"].clone()).unwrap(), cfg);
