@@ -109,7 +109,8 @@ for s in "${steps[@]}"; do
       # the f64 reference (a plan that fails it leaves no record; each record names its plan,
       # `fwd_plan`, and the forced ones their `plan_overrides`; `cargo xtask table-plans` reads
       # them). A variant `chunk=<N>` instead times the library's plans with the backward's vocab
-      # chunk forced to N columns (`--bwd-chunk N`; records carry `bwd_chunk`), against the
+      # chunk forced to N columns (`--bwd-chunk N`; records carry `bwd_chunk`), `chunk=waves`
+      # with its automatic width moved for dW's waves (LMHEAD_BWD_CHUNK_WAVES=1), against the
       # library's own chunk. BUDGET: stop before a case once that many seconds are spent.
       while read -r c vars; do
         [ -z "${c:-}" ] && continue
@@ -124,6 +125,7 @@ for s in "${steps[@]}"; do
           env=(env); args=()
           case "$p" in
             planner) ;;
+            chunk=waves) env=(env LMHEAD_BWD_CHUNK_WAVES=1) ;;
             chunk=*) args=(--bwd-chunk "${p#chunk=}") ;;
             *) env=(env "LMHEAD_FWD_SPLITS=${p%x*}" "LMHEAD_FWD_RASTER=${p#*x}") ;;
           esac

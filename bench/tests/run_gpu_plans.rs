@@ -1,8 +1,8 @@
 //! `docs/run-gpu.sh plans` (forward launch plans side by side on the GPU machine) with a stand-in
 //! for `lmhead-bench` that only records how it was called: the cache-filling run, then the
 //! planner's plan and each forced plan in the order planner, A, B, B, A, planner, each with its
-//! own `LMHEAD_FWD_SPLITS` / `LMHEAD_FWD_RASTER` (or, for a `chunk=<N>` variant, `--bwd-chunk N`)
-//! and the log-prob check on. Needs `bash`; without it the test prints why it
+//! own `LMHEAD_FWD_SPLITS` / `LMHEAD_FWD_RASTER` (or, for a `chunk=<N>` variant, `--bwd-chunk N`;
+//! for `chunk=waves`, `LMHEAD_BWD_CHUNK_WAVES=1`) and the log-prob check on. Needs `bash`; without it the test prints why it
 //! skips.
 
 use std::path::Path;
@@ -16,7 +16,10 @@ fn plans_step_runs_each_plan_in_mirrored_order() {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/run-gpu.sh");
     std::fs::copy(&script, gpu.join("run-gpu.sh")).unwrap();
     let calls = dir.join("calls.txt");
-    let fake = format!("#!/usr/bin/env bash\necho \"${{LMHEAD_FWD_SPLITS:--}}x${{LMHEAD_FWD_RASTER:--}} $*\" >> '{}'\n", calls.display());
+    let fake = format!(
+        "#!/usr/bin/env bash\necho \"${{LMHEAD_BWD_CHUNK_WAVES:+waves }}${{LMHEAD_FWD_SPLITS:--}}x${{LMHEAD_FWD_RASTER:--}} $*\" >> '{}'\n",
+        calls.display()
+    );
     std::fs::write(gpu.join("lmhead-bench"), fake).unwrap();
     #[cfg(unix)]
     {
@@ -26,7 +29,7 @@ fn plans_step_runs_each_plan_in_mirrored_order() {
     let cases = dir.join("plan-cases.txt");
     std::fs::write(
         &cases,
-        "llama-3.1-8b/tok128k/tp1cp1 8x17 12x11\n\nqwen2.5-14b/tok64k/tp4cp1 15x9\nqwen2.5-14b/tok64k/tp2cp1 chunk=8448 12x11\n",
+        "llama-3.1-8b/tok128k/tp1cp1 8x17 12x11\n\nqwen2.5-14b/tok64k/tp4cp1 15x9\nqwen2.5-14b/tok64k/tp2cp1 chunk=8448 12x11 chunk=waves\n",
     )
     .unwrap();
     let run = Command::new("bash")
@@ -38,6 +41,7 @@ fn plans_step_runs_each_plan_in_mirrored_order() {
         .env("LMHEAD_TUNE_CACHE", "off")
         .env_remove("LMHEAD_FWD_SPLITS")
         .env_remove("LMHEAD_FWD_RASTER")
+        .env_remove("LMHEAD_BWD_CHUNK_WAVES")
         .env_remove("BUDGET")
         .output();
     let run = match run {
@@ -73,6 +77,8 @@ fn plans_step_runs_each_plan_in_mirrored_order() {
         timed(c, "-x-"),
         chunked(c, 8448),
         timed(c, "12x11"),
+        timed(c, "waves -x-"),
+        timed(c, "waves -x-"),
         timed(c, "12x11"),
         chunked(c, 8448),
         timed(c, "-x-"),

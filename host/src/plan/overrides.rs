@@ -3,8 +3,9 @@
 //! `LMHEAD_FWD_SPLITS` / `LMHEAD_FWD_RASTER` / `LMHEAD_FWD_FILL` (forward split count / raster
 //! group of token tiles / tiles per filler, 0 = none), `LMHEAD_BWD_TILES` / `LMHEAD_BWD_RASTER` /
 //! `LMHEAD_BWD_FILL` (n tiles per block / raster group / tiles per filler of the Hopper backward
-//! kernels). A value that does not parse is reported once on stderr and
-//! ignored.
+//! kernels), `LMHEAD_BWD_CHUNK_WAVES=1` / `0` (the backward's automatic chunk width moved for
+//! `dW`'s waves, `crate::wave_chunk`, or not). A value that does not parse is reported once
+//! on stderr and ignored.
 
 use std::sync::OnceLock;
 
@@ -12,7 +13,7 @@ use lmhead_core::split::PlanOverride;
 
 /// The environment variables [`Overrides`] reads, in one list for whoever records which were set
 /// (the bench's records).
-pub const PLAN_OVERRIDE_VARS: [&str; 7] = [
+pub const PLAN_OVERRIDE_VARS: [&str; 8] = [
     "LMHEAD_FWD_L2",
     "LMHEAD_FWD_SPLITS",
     "LMHEAD_FWD_RASTER",
@@ -20,6 +21,7 @@ pub const PLAN_OVERRIDE_VARS: [&str; 7] = [
     "LMHEAD_BWD_TILES",
     "LMHEAD_BWD_RASTER",
     "LMHEAD_BWD_FILL",
+    "LMHEAD_BWD_CHUNK_WAVES",
 ];
 
 /// Every override; `Default` is "none".
@@ -29,6 +31,9 @@ pub(crate) struct Overrides {
     pub fwd_l2_off: bool,
     pub fwd: PlanOverride,
     pub bwd: PlanOverride,
+    /// `LMHEAD_BWD_CHUNK_WAVES`: `Some(true)` moves the backward's automatic chunk width for
+    /// `dW`'s waves, `Some(false)` or unset keeps the balanced width.
+    pub bwd_chunk_waves: Option<bool>,
 }
 
 impl Overrides {
@@ -38,7 +43,8 @@ impl Overrides {
         O.get_or_init(|| {
             let (o, bad) = Self::parse(|k| std::env::var(k).ok());
             for (k, v) in bad {
-                eprintln!("lmhead: ignoring {k}={v:?} (expected a non-negative integer)");
+                let want = if k == "LMHEAD_BWD_CHUNK_WAVES" { "0 or 1" } else { "a non-negative integer" };
+                eprintln!("lmhead: ignoring {k}={v:?} (expected {want})");
             }
             o
         })
@@ -56,7 +62,16 @@ impl Overrides {
         let bwd =
             PlanOverride { splits: None, tiles: num("LMHEAD_BWD_TILES"), raster: num("LMHEAD_BWD_RASTER"), fill: num("LMHEAD_BWD_FILL") };
         let fwd_l2_off = lookup("LMHEAD_FWD_L2").is_some_and(|v| v.trim() == "0");
-        (Overrides { fwd_l2_off, fwd, bwd }, bad)
+        let k = "LMHEAD_BWD_CHUNK_WAVES";
+        let bwd_chunk_waves = lookup(k).and_then(|v| match v.trim() {
+            "1" => Some(true),
+            "0" => Some(false),
+            _ => {
+                bad.push((k, v));
+                None
+            }
+        });
+        (Overrides { fwd_l2_off, fwd, bwd, bwd_chunk_waves }, bad)
     }
 }
 
@@ -83,8 +98,10 @@ mod tests {
             ("LMHEAD_BWD_RASTER", "0"),
             ("LMHEAD_FWD_FILL", "0"),
             ("LMHEAD_BWD_FILL", "2"),
+            ("LMHEAD_BWD_CHUNK_WAVES", " 1"),
         ]);
         assert!(bad.is_empty());
+        assert_eq!(o.bwd_chunk_waves, Some(true));
         assert!(o.fwd_l2_off);
         assert_eq!(o.fwd, PlanOverride { splits: Some(8), tiles: None, raster: Some(16), fill: Some(0) });
         assert_eq!(o.bwd, PlanOverride { splits: None, tiles: Some(3), raster: Some(0), fill: Some(2) });
@@ -108,8 +125,16 @@ mod tests {
 
     #[test]
     fn bad_values_are_reported_and_ignored() {
-        let (o, bad) = parse(&[("LMHEAD_FWD_SPLITS", "eight"), ("LMHEAD_BWD_TILES", "-1"), ("LMHEAD_FWD_L2", "1")]);
+        let (o, bad) =
+            parse(&[("LMHEAD_FWD_SPLITS", "eight"), ("LMHEAD_BWD_TILES", "-1"), ("LMHEAD_FWD_L2", "1"), ("LMHEAD_BWD_CHUNK_WAVES", "yes")]);
         assert_eq!(o, Overrides::default());
-        assert_eq!(bad, vec![("LMHEAD_FWD_SPLITS", "eight".to_string()), ("LMHEAD_BWD_TILES", "-1".to_string())]);
+        assert_eq!(
+            bad,
+            vec![
+                ("LMHEAD_FWD_SPLITS", "eight".to_string()),
+                ("LMHEAD_BWD_TILES", "-1".to_string()),
+                ("LMHEAD_BWD_CHUNK_WAVES", "yes".to_string())
+            ]
+        );
     }
 }
