@@ -34,7 +34,7 @@ pub fn family_hash(family: Family) -> String {
 }
 
 /// `sha256` over each of `family`'s candidates' name and entry module ([`split`]), comments
-/// dropped and labels numbered by function made neutral ([`neutral_labels`]); first 16 hex
+/// dropped and labels numbered by function made neutral (`neutral_labels`); first 16 hex
 /// digits. A missing entry hashes as empty.
 pub fn family_hash_of(mods: &HashMap<String, String>, family: Family) -> String {
     use sha2::{Digest, Sha256};

@@ -11,8 +11,8 @@ use std::sync::OnceLock;
 
 use lmhead_core::split::PlanOverride;
 
-/// The environment variables [`Overrides`] reads, in one list for whoever records which were set
-/// (the bench's records).
+/// The environment variables the launch plans read (`Overrides`), in one list for whoever
+/// records which were set (the bench's records).
 pub const PLAN_OVERRIDE_VARS: [&str; 8] = [
     "LMHEAD_FWD_L2",
     "LMHEAD_FWD_SPLITS",
