@@ -574,10 +574,12 @@ mod tests {
         // dW tiles of 128 vocab rows × 256 of d on 132 SMs.
         let cfg = |bm: u16, bn: u16| TileConfig { bm, bn, ..Family::BwdDw.candidates()[0] };
         let c128 = cfg(128, 256);
-        let waves = |v: usize, c: usize, d: usize| {
+        // dW waves of all chunks of width `c` over `v` columns, in `tile`'s tiles.
+        let waves_in = |tile: TileConfig, v: usize, c: usize, d: usize| {
             let n = v.div_ceil(c);
-            (n as u64 - 1) * dw_waves(c128, c, d, 132) + dw_waves(c128, v - (n - 1) * c, d, 132)
+            (n as u64 - 1) * dw_waves(tile, c, d, 132) + dw_waves(tile, v - (n - 1) * c, d, 132)
         };
+        let waves = |v: usize, c: usize, d: usize| waves_in(c128, v, c, d);
         // Qwen2.5-14B at TP = 2: ten chunks of 7680 (the last 6912) take 99 waves, nine of 8448 take 90.
         let (v, d) = (76032, 5120);
         assert_eq!(balanced_chunk(v, 8192), 7680);
@@ -606,10 +608,6 @@ mod tests {
         // Another tile shape moves to another width: 256-row tiles of 128 columns of d.
         let c256 = cfg(256, 128);
         let c = wave_chunk(v, 7680, |w| dw_waves(c256, w, d, 132));
-        let w256 = |c: usize| {
-            let n = v.div_ceil(c);
-            (n as u64 - 1) * dw_waves(c256, c, d, 132) + dw_waves(c256, v - (n - 1) * c, d, 132)
-        };
-        assert!(w256(c) <= w256(7680));
+        assert!(waves_in(c256, v, c, d) <= waves_in(c256, v, 7680, d));
     }
 }
