@@ -175,7 +175,7 @@ fn main() -> ExitCode {
         Some("bench-report") => report::run(&args[1..]),
         Some("tune-table") => tune_table::run(&args[1..]),
         Some("table-plans") => table_plans::run(&args[1..]),
-        _ => Err("usage: cargo xtask <setup|build-ptx|test|demo|bench|gpu-bundle|bench-report <results.jsonl> [--out-dir DIR]|tune-table <tune-table.jsonl>... [--out FILE] [--report FILE]|table-plans [--table FILE] [--margin M] <records.jsonl>...>".into()),
+        _ => Err("usage: cargo xtask <setup|build-ptx|test|demo|bench|gpu-bundle|bench-report <results.jsonl> [--out-dir DIR]|tune-table <tune-table.jsonl>... [--out FILE] [--report FILE]|table-plans [--table FILE] [--margin M] [--replace] <records.jsonl>...>".into()),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -179,14 +179,15 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let obj = doc.as_object_mut().ok_or_else(|| format!("{table}: not a tuning table"))?;
     let old = obj.get("plans").and_then(Value::as_array).cloned().unwrap_or_default();
     let (plans, kept) = merge(&old, plans, replace);
+    let n = plans.len();
     if plans.is_empty() {
         obj.remove("plans");
     } else {
-        obj.insert("plans".into(), Value::Array(plans.clone()));
+        obj.insert("plans".into(), Value::Array(plans));
     }
     let text = serde_json::to_string(&doc).map_err(|e| e.to_string())?;
     std::fs::write(&table, text).map_err(|e| format!("{table}: {e}"))?;
-    eprintln!("wrote {table}: {} plans ({kept} of the table's {} kept)", plans.len(), old.len());
+    eprintln!("wrote {table}: {n} plans ({kept} of the table's {} kept)", old.len());
     Ok(())
 }
 
