@@ -111,7 +111,9 @@ for s in "${steps[@]}"; do
       # them). A variant `chunk=<N>` instead times the library's plans with the backward's vocab
       # chunk forced to N columns (`--bwd-chunk N`; records carry `bwd_chunk`), `chunk=waves`
       # with its automatic width moved for dW's waves (LMHEAD_BWD_CHUNK_WAVES=1), against the
-      # library's own chunk. BUDGET: stop before a case once that many seconds are spent.
+      # library's own chunk; a variant `LMHEAD_<NAME>=<value>[,LMHEAD_<NAME>=<value>…]` runs the
+      # library with those variables set (e.g. LMHEAD_BWD_OVERLAP=0). BUDGET: stop before a case
+      # once that many seconds are spent.
       while read -r c vars; do
         [ -z "${c:-}" ] && continue
         if [ -n "${BUDGET:-}" ] && [ $(( $(date +%s) - t0 )) -ge "$BUDGET" ]; then
@@ -127,6 +129,7 @@ for s in "${steps[@]}"; do
             planner) ;;
             chunk=waves) env=(env LMHEAD_BWD_CHUNK_WAVES=1) ;;
             chunk=*) args=(--bwd-chunk "${p#chunk=}") ;;
+            LMHEAD_*=*) IFS=, read -ra kv <<< "$p"; env=(env "${kv[@]}") ;;
             *) env=(env "LMHEAD_FWD_SPLITS=${p%x*}" "LMHEAD_FWD_RASTER=${p#*x}") ;;
           esac
           "${env[@]}" timeout ${PLAN_TIMEOUT:-150} "$B/lmhead-bench" sweep --filter "$c" --reps ${PLAN_REPS:-3} \

@@ -22,7 +22,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaEvent, CudaStream, DevicePtr, DevicePtrMut};
 use lmhead_core::config::{Family, TileConfig};
 use lmhead_core::Problem;
 
@@ -31,7 +31,7 @@ use crate::launch::{self, dev_in, dev_out, Chunk, Dev, Dims, DlogitsIn, GemmC, G
 use crate::tp::{Communicator, ReduceDh, Shard, TpBackward};
 use crate::tune::{Choice, TuneKey};
 use crate::validate;
-use crate::workspace::zeros;
+use crate::workspace::{zeros, Side};
 use crate::{bf16, LabelType, LmHead};
 
 /// The staging buffer the automatic chunk width aims for: `t · S` bf16 within 512 MiB.
@@ -306,6 +306,11 @@ impl LmHead {
         let mut guard = self.call_ws();
         {
             let ws = &mut *guard;
+            // dW beside dh (one chunk's two GEMMs read the same staging and write disjoint
+            // outputs): on the side stream after the chunk's d-logits, joined back before the
+            // next chunk's d-logits overwrite the staging buffer.
+            let overlap = dw.is_some() && crate::plan::overrides::Overrides::get().bwd_overlap == Some(true);
+            let side = if overlap { Some(Side::of(&mut ws.side, stream)?) } else { None };
             let src = &mut ws.src;
             let staging = ws.staging.get(src, stream, p.t * stride)?;
             let staging = dev_out(staging, stream, "staging")?;
@@ -324,10 +329,25 @@ impl LmHead {
             // bf16 dh is added too and the sum cast once (cheaper than that chunk's register
             // epilogue, which reads the accumulator: `lmhead-bench dh-probe`).
             let cast_at_end = !dh.f32 && !reduce_bf16 && chunks > 1 && cfg_dh.mainloop.tma_store();
-            for c in 0..chunks {
+            let looped = (0..chunks).try_for_each(|c| -> Result<()> {
                 let c0 = c * chunk;
                 let cw = chunk.min(p.v - c0);
                 launch::bwd_dlogits(&self.gpu, stream, cfg_dl, &x.x, Chunk { begin: c0, width: cw, stride }, &x.g, &staging)?;
+                // dW[c0 .. c0 + cw] = staging[:, :cw]ᵀ · h, queued first: on the side stream
+                // its blocks take the SMs first, and dh's fill those its last wave leaves.
+                if let Some(dw) = dw {
+                    let elem = if dw.f32 { 4 } else { 2 };
+                    let dw_chunk = dw.dev.sub(c0 * p.d, cw * p.d, elem)?;
+                    let mode = GemmOut { accumulate: false, write_acc: false, out_f32: dw.f32 };
+                    match side {
+                        Some(s) => {
+                            s.ready.record(stream).during(|| "recording the d-logits event".into())?;
+                            g.dw_on(&s.stream, Some(&s.ready), cfg_dw, cw, &staging, &dw_chunk, mode)?;
+                            s.done.record(&s.stream).during(|| "recording the dW event".into())?;
+                        }
+                        None => g.dw_on(stream, None, cfg_dw, cw, &staging, &dw_chunk, mode)?,
+                    }
+                }
                 // dh (+)= staging[:, :cw] · W[c0 .. c0 + cw]
                 let first = c == 0;
                 let last = c + 1 == chunks;
@@ -336,13 +356,17 @@ impl LmHead {
                 let mode = GemmOut { accumulate: !first, write_acc: !straight_to_bf16, out_f32: dh.f32 };
                 let out = straight_to_bf16.then_some(&dh.dev);
                 g.dh(cfg_dh, (c0, cw), &staging, Some(acc), out, mode)?;
-                // dW[c0 .. c0 + cw] = staging[:, :cw]ᵀ · h
-                if let Some(dw) = dw {
-                    let elem = if dw.f32 { 4 } else { 2 };
-                    let dw_chunk = dw.dev.sub(c0 * p.d, cw * p.d, elem)?;
-                    g.dw(cfg_dw, cw, &staging, &dw_chunk, GemmOut { accumulate: false, write_acc: false, out_f32: dw.f32 })?;
+                if let Some(s) = side {
+                    stream.wait(&s.done).during(|| "joining the dW stream".into())?;
                 }
+                Ok(())
+            });
+            if let (Err(_), Some(s)) = (&looped, side) {
+                // The call's stream may not have joined a dW that reads the staging buffer (which
+                // goes back to a caller's allocator ordered on the call's stream only): wait here.
+                let _ = s.stream.synchronize();
             }
+            looped?;
             if cast_at_end {
                 launch::cast_f32_bf16(&self.gpu, stream, p.t * p.d, acc, &dh.dev)?;
             }
@@ -503,11 +527,27 @@ impl Gemms<'_> {
         launch::bwd_gemm(self.gpu, self.stream, Family::BwdDh, cfg, &g, &GemmC { acc, out, mode })
     }
 
-    /// `dW_chunk = staging[:, :cw]ᵀ · h` into `out` (`[cw][d]`).
-    fn dw(&self, cfg: TileConfig, cw: usize, staging: &Dev, out: &Dev, mode: GemmOut) -> Result<()> {
+    /// `dW_chunk = staging[:, :cw]ᵀ · h` into `out` (`[cw][d]`), on `stream` (the call's, or
+    /// the side stream after the event `after`).
+    #[allow(clippy::too_many_arguments)]
+    fn dw_on(
+        &self,
+        stream: &Arc<CudaStream>,
+        after: Option<&CudaEvent>,
+        cfg: TileConfig,
+        cw: usize,
+        staging: &Dev,
+        out: &Dev,
+        mode: GemmOut,
+    ) -> Result<()> {
         let (p, stride) = (self.p, self.stride);
         let g = GemmIn { m: cw, n: p.d, k: p.t, a: staging, a_stride: stride, b: self.h, b_stride: p.d };
-        launch::bwd_gemm(self.gpu, self.stream, Family::BwdDw, cfg, &g, &GemmC { acc: None, out: Some(out), mode })
+        launch::bwd_gemm_after(self.gpu, stream, Family::BwdDw, cfg, &g, &GemmC { acc: None, out: Some(out), mode }, after)
+    }
+
+    /// [`Gemms::dw_on`] the call's stream.
+    fn dw(&self, cfg: TileConfig, cw: usize, staging: &Dev, out: &Dev, mode: GemmOut) -> Result<()> {
+        self.dw_on(self.stream, None, cfg, cw, staging, out, mode)
     }
 }
 

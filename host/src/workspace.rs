@@ -266,6 +266,34 @@ impl<T: DeviceRepr + ValidAsZeroBits> Grow<T> {
     }
 }
 
+/// The backward's second stream, on which each chunk's `dW` GEMM runs beside its `dh` GEMM,
+/// and the two events that order it against the call's stream: `ready` (the chunk's d-logits
+/// are written) and `done` (its `dW` is). The stream has the device's greatest priority, so
+/// that the block scheduler hands free SMs to `dW`'s blocks first and `dh`'s blocks take the
+/// SMs that `dW`'s last wave leaves idle.
+pub struct Side {
+    pub stream: Arc<CudaStream>,
+    pub ready: CudaEvent,
+    pub done: CudaEvent,
+}
+
+impl Side {
+    /// The side stream kept in `slot`, created there on first use in the context of `call` (the
+    /// call's stream).
+    pub fn of<'a>(slot: &'a mut Option<Side>, call: &Arc<CudaStream>) -> Result<&'a Side> {
+        if slot.is_none() {
+            let ctx = call.context();
+            let create = || -> std::result::Result<Side, cudarc::driver::DriverError> {
+                ctx.bind_to_thread()?;
+                let (_, greatest) = cudarc::driver::result::stream::get_priority_range()?;
+                Ok(Side { stream: ctx.new_stream_with_priority(greatest)?, ready: ctx.new_event(None)?, done: ctx.new_event(None)? })
+            };
+            *slot = Some(create().during(|| "creating the backward's dW stream".into())?);
+        }
+        Ok(slot.as_ref().unwrap())
+    }
+}
+
 /// All scratch buffers of one `LmHead`.
 pub struct Workspace {
     pub src: Source,
@@ -274,6 +302,9 @@ pub struct Workspace {
     pub status: Grow<u32>,
     pub staging: Grow<half::bf16>,
     pub dh_acc: Grow<f32>,
+    /// Created by the first backward that overlaps `dW` with `dh` ([`Side::of`]); kept for the
+    /// `LmHead`'s life.
+    pub side: Option<Side>,
 }
 
 impl Workspace {
@@ -285,6 +316,7 @@ impl Workspace {
             status: Grow::new("status word"),
             staging: Grow::per_call_zeroed("backward d-logits staging"),
             dh_acc: Grow::per_call("dh f32 accumulator"),
+            side: None,
         }
     }
 

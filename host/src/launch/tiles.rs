@@ -3,14 +3,14 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaEvent, CudaStream};
 use lmhead_core::config::{kernel_name, Family, TileConfig};
 use lmhead_core::params::{GemmParams, LogitsParams};
 
 use super::tmap::{tma_maps_for, TmaOperand};
 use super::{launch, Dev, Labels};
 use crate::device::Gpu;
-use crate::error::{Error, Result};
+use crate::error::{Context as _, Error, Result};
 
 /// Scalars shared by the logits kernels.
 #[derive(Clone, Copy, Debug)]
@@ -246,6 +246,20 @@ pub struct GemmC<'a, 'b> {
 /// transposed); B is `[k][n]`. `cfg` is an `mma.sync` config or an sm90 one (which reads the
 /// operands in place through tensor maps).
 pub fn bwd_gemm(gpu: &Gpu, stream: &Arc<CudaStream>, family: Family, cfg: TileConfig, g: &GemmIn, c: &GemmC) -> Result<()> {
+    bwd_gemm_after(gpu, stream, family, cfg, g, c, None)
+}
+
+/// [`bwd_gemm`] on `stream` after `after` (an event of another stream): the tensor maps are
+/// copied first, so that the kernel is ready to run the moment the event completes.
+pub(crate) fn bwd_gemm_after(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    family: Family,
+    cfg: TileConfig,
+    g: &GemmIn,
+    c: &GemmC,
+    after: Option<&CudaEvent>,
+) -> Result<()> {
     let GemmIn { m, n, k, a, a_stride, b, b_stride } = *g;
     if n % 8 != 0 || a_stride % 8 != 0 || b_stride % 8 != 0 || b_stride < n {
         return Err(Error::Config(format!("gemm needs n, strides multiples of 8 (n {n}, strides {a_stride}, {b_stride})")));
@@ -272,12 +286,14 @@ pub fn bwd_gemm(gpu: &Gpu, stream: &Arc<CudaStream>, family: Family, cfg: TileCo
         Family::BwdDh => TmaOperand::k_major(a, m, k, a_stride, cfg.bm),
         _ => TmaOperand::mn_major(a, k, m, a_stride),
     };
-    launch_gemm(gpu, stream, family, cfg, g, [a_map, TmaOperand::mn_major(b, k, n, b_stride)], c)
+    launch_gemm(gpu, stream, family, cfg, g, [a_map, TmaOperand::mn_major(b, k, n, b_stride)], c, after)
 }
 
 /// The launch shared by both GEMM kinds, after each checked its operands and described them as
 /// tensor maps (`maps`: A, B, whose `ptr` are the checked addresses; only a TMA config loads
-/// through the maps): the C buffers' bounds for `mode`, then the grid of `(bm × bn)` tiles.
+/// through the maps): the C buffers' bounds for `mode`, then the grid of `(bm × bn)` tiles,
+/// launched once `stream` has waited for `after`.
+#[allow(clippy::too_many_arguments)]
 fn launch_gemm(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
@@ -286,6 +302,7 @@ fn launch_gemm(
     g: &GemmIn,
     maps: [TmaOperand; 2],
     c: &GemmC,
+    after: Option<&CudaEvent>,
 ) -> Result<()> {
     let (GemmIn { m, n, k, a_stride, b_stride, .. }, GemmC { acc, out, mode }) = (*g, *c);
     let mut p = GemmParams {
@@ -331,6 +348,9 @@ fn launch_gemm(
     check_fill(cfg, plan, n_tiles)?;
     (p.tiles_per_block, p.raster_group, p.fill) = (plan.tiles_per_split, plan.raster_group, plan.fill);
     let grid = (m_tiles, plan.blocks_per_row());
+    if let Some(e) = after {
+        stream.wait(e).during(|| format!("ordering `{}` after the d-logits", kernel_name(family, cfg)))?;
+    }
     launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
     drop(maps);
     Ok(())

@@ -4,8 +4,9 @@
 //! group of token tiles / tiles per filler, 0 = none), `LMHEAD_BWD_TILES` / `LMHEAD_BWD_RASTER` /
 //! `LMHEAD_BWD_FILL` (n tiles per block / raster group / tiles per filler of the Hopper backward
 //! kernels), `LMHEAD_BWD_CHUNK_WAVES=1` / `0` (the backward's automatic chunk width moved for
-//! `dW`'s waves, `crate::wave_chunk`, or not). A value that does not parse is reported once
-//! on stderr and ignored.
+//! `dW`'s waves, `crate::wave_chunk`, or not), `LMHEAD_BWD_OVERLAP=1` / `0` (each chunk's `dW`
+//! GEMM on a second stream beside its `dh` GEMM, or after it on the call's stream). A value that
+//! does not parse is reported once on stderr and ignored.
 
 use std::sync::OnceLock;
 
@@ -13,7 +14,7 @@ use lmhead_core::split::PlanOverride;
 
 /// The environment variables the launch plans read (`Overrides`), in one list for whoever
 /// records which were set (the bench's records).
-pub const PLAN_OVERRIDE_VARS: [&str; 8] = [
+pub const PLAN_OVERRIDE_VARS: [&str; 9] = [
     "LMHEAD_FWD_L2",
     "LMHEAD_FWD_SPLITS",
     "LMHEAD_FWD_RASTER",
@@ -22,7 +23,12 @@ pub const PLAN_OVERRIDE_VARS: [&str; 8] = [
     "LMHEAD_BWD_RASTER",
     "LMHEAD_BWD_FILL",
     "LMHEAD_BWD_CHUNK_WAVES",
+    "LMHEAD_BWD_OVERLAP",
 ];
+
+/// The variables of [`PLAN_OVERRIDE_VARS`] that take `0` or `1` (the others a non-negative
+/// integer, except `LMHEAD_FWD_L2`, which only `0` sets).
+const FLAG_VARS: [&str; 2] = ["LMHEAD_BWD_CHUNK_WAVES", "LMHEAD_BWD_OVERLAP"];
 
 /// Every override; `Default` is "none".
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -34,6 +40,9 @@ pub(crate) struct Overrides {
     /// `LMHEAD_BWD_CHUNK_WAVES`: `Some(true)` moves the backward's automatic chunk width for
     /// `dW`'s waves, `Some(false)` or unset keeps the balanced width.
     pub bwd_chunk_waves: Option<bool>,
+    /// `LMHEAD_BWD_OVERLAP`: `Some(true)` runs each chunk's `dW` GEMM on a second stream beside
+    /// its `dh` GEMM, `Some(false)` after it on the call's stream; unset: the library's default.
+    pub bwd_overlap: Option<bool>,
 }
 
 impl Overrides {
@@ -43,7 +52,7 @@ impl Overrides {
         O.get_or_init(|| {
             let (o, bad) = Self::parse(|k| std::env::var(k).ok());
             for (k, v) in bad {
-                let want = if k == "LMHEAD_BWD_CHUNK_WAVES" { "0 or 1" } else { "a non-negative integer" };
+                let want = if FLAG_VARS.contains(&k) { "0 or 1" } else { "a non-negative integer" };
                 eprintln!("lmhead: ignoring {k}={v:?} (expected {want})");
             }
             o
@@ -62,16 +71,18 @@ impl Overrides {
         let bwd =
             PlanOverride { splits: None, tiles: num("LMHEAD_BWD_TILES"), raster: num("LMHEAD_BWD_RASTER"), fill: num("LMHEAD_BWD_FILL") };
         let fwd_l2_off = lookup("LMHEAD_FWD_L2").is_some_and(|v| v.trim() == "0");
-        let k = "LMHEAD_BWD_CHUNK_WAVES";
-        let bwd_chunk_waves = lookup(k).and_then(|v| match v.trim() {
-            "1" => Some(true),
-            "0" => Some(false),
-            _ => {
-                bad.push((k, v));
-                None
-            }
-        });
-        (Overrides { fwd_l2_off, fwd, bwd, bwd_chunk_waves }, bad)
+        let mut flag = |k: &'static str| {
+            lookup(k).and_then(|v| match v.trim() {
+                "1" => Some(true),
+                "0" => Some(false),
+                _ => {
+                    bad.push((k, v));
+                    None
+                }
+            })
+        };
+        let (bwd_chunk_waves, bwd_overlap) = (flag(FLAG_VARS[0]), flag(FLAG_VARS[1]));
+        (Overrides { fwd_l2_off, fwd, bwd, bwd_chunk_waves, bwd_overlap }, bad)
     }
 }
 
@@ -99,9 +110,11 @@ mod tests {
             ("LMHEAD_FWD_FILL", "0"),
             ("LMHEAD_BWD_FILL", "2"),
             ("LMHEAD_BWD_CHUNK_WAVES", " 1"),
+            ("LMHEAD_BWD_OVERLAP", "0"),
         ]);
         assert!(bad.is_empty());
         assert_eq!(o.bwd_chunk_waves, Some(true));
+        assert_eq!(o.bwd_overlap, Some(false));
         assert!(o.fwd_l2_off);
         assert_eq!(o.fwd, PlanOverride { splits: Some(8), tiles: None, raster: Some(16), fill: Some(0) });
         assert_eq!(o.bwd, PlanOverride { splits: None, tiles: Some(3), raster: Some(0), fill: Some(2) });
@@ -125,15 +138,21 @@ mod tests {
 
     #[test]
     fn bad_values_are_reported_and_ignored() {
-        let (o, bad) =
-            parse(&[("LMHEAD_FWD_SPLITS", "eight"), ("LMHEAD_BWD_TILES", "-1"), ("LMHEAD_FWD_L2", "1"), ("LMHEAD_BWD_CHUNK_WAVES", "yes")]);
+        let (o, bad) = parse(&[
+            ("LMHEAD_FWD_SPLITS", "eight"),
+            ("LMHEAD_BWD_TILES", "-1"),
+            ("LMHEAD_FWD_L2", "1"),
+            ("LMHEAD_BWD_CHUNK_WAVES", "yes"),
+            ("LMHEAD_BWD_OVERLAP", "2"),
+        ]);
         assert_eq!(o, Overrides::default());
         assert_eq!(
             bad,
             vec![
                 ("LMHEAD_FWD_SPLITS", "eight".to_string()),
                 ("LMHEAD_BWD_TILES", "-1".to_string()),
-                ("LMHEAD_BWD_CHUNK_WAVES", "yes".to_string())
+                ("LMHEAD_BWD_CHUNK_WAVES", "yes".to_string()),
+                ("LMHEAD_BWD_OVERLAP", "2".to_string())
             ]
         );
     }
