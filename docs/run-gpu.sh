@@ -109,8 +109,7 @@ for s in "${steps[@]}"; do
       # the f64 reference (a plan that fails it leaves no record; each record names its plan,
       # `fwd_plan`, and the forced ones their `plan_overrides`; `cargo xtask table-plans` reads
       # them). A variant `chunk=<N>` instead times the library's plans with the backward's vocab
-      # chunk forced to N columns (`--bwd-chunk N`; records carry `bwd_chunk`), `chunk=waves`
-      # with its automatic width moved for dW's waves (LMHEAD_BWD_CHUNK_WAVES=1), against the
+      # chunk forced to N columns (`--bwd-chunk N`; records carry `bwd_chunk`) against the
       # library's own chunk; a variant `LMHEAD_<NAME>=<value>[,LMHEAD_<NAME>=<value>…]` runs the
       # library with those variables set (e.g. LMHEAD_BWD_OVERLAP=0). BUDGET: stop before a case
       # once that many seconds are spent.
@@ -127,7 +126,6 @@ for s in "${steps[@]}"; do
           env=(env); args=()
           case "$p" in
             planner) ;;
-            chunk=waves) env=(env LMHEAD_BWD_CHUNK_WAVES=1) ;;
             chunk=*) args=(--bwd-chunk "${p#chunk=}") ;;
             LMHEAD_*=*) IFS=, read -ra kv <<< "$p"; env=(env "${kv[@]}") ;;
             *) env=(env "LMHEAD_FWD_SPLITS=${p%x*}" "LMHEAD_FWD_RASTER=${p#*x}") ;;

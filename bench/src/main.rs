@@ -325,13 +325,15 @@ impl<'a> Ops<'a> {
                 };
                 let r = head.backward(stream, &bx, &d.bo, GradOut::Bf16(dh), Some(GradOut::Bf16(dw)))?;
                 self.bwd_cfg = format!(
-                    "{}|{}|{}{}",
+                    "{}|{}|{}{}{}",
                     r.dlogits.suffix(lmhead::Family::BwdDlogitsEnt),
                     r.dh.suffix(lmhead::Family::BwdDh),
                     r.dw.expect("dW asked for").suffix(lmhead::Family::BwdDw),
                     // The chunk width, when the vocab took more than one (records before the
                     // automatic width only named widths other than 8192).
-                    if r.chunks == 1 { String::new() } else { format!(" chunk {}", r.chunk) }
+                    if r.chunks == 1 { String::new() } else { format!(" chunk {}", r.chunk) },
+                    // dW on the side stream beside dh (records without it ran dW after dh).
+                    if r.dw_beside_dh { " dW beside dh" } else { "" }
                 );
             }
         }

@@ -2,8 +2,7 @@
 //! for `lmhead-bench` that only records how it was called: the cache-filling run, then the
 //! planner's plan and each forced plan in the order planner, A, B, B, A, planner, each with its
 //! own `LMHEAD_FWD_SPLITS` / `LMHEAD_FWD_RASTER` (or, for a `chunk=<N>` variant, `--bwd-chunk N`;
-//! for `chunk=waves`, `LMHEAD_BWD_CHUNK_WAVES=1`; for `LMHEAD_<NAME>=<value>,…`, those variables)
-//! and the log-prob check on. Needs `bash`; without it the test prints why it skips.
+//! for `LMHEAD_<NAME>=<value>,…`, those variables) and the log-prob check on. Needs `bash`; without it the test prints why it skips.
 
 use std::path::Path;
 use std::process::Command;
@@ -17,7 +16,7 @@ fn plans_step_runs_each_plan_in_mirrored_order() {
     std::fs::copy(&script, gpu.join("run-gpu.sh")).unwrap();
     let calls = dir.join("calls.txt");
     let fake = format!(
-        "#!/usr/bin/env bash\necho \"${{LMHEAD_BWD_OVERLAP:+overlap=$LMHEAD_BWD_OVERLAP }}${{LMHEAD_BWD_CHUNK_WAVES:+waves }}${{LMHEAD_FWD_SPLITS:--}}x${{LMHEAD_FWD_RASTER:--}} $*\" >> '{}'\n",
+        "#!/usr/bin/env bash\necho \"${{LMHEAD_BWD_OVERLAP:+overlap=$LMHEAD_BWD_OVERLAP }}${{LMHEAD_BWD_TILES:+tiles=$LMHEAD_BWD_TILES }}${{LMHEAD_FWD_SPLITS:--}}x${{LMHEAD_FWD_RASTER:--}} $*\" >> '{}'\n",
         calls.display()
     );
     std::fs::write(gpu.join("lmhead-bench"), fake).unwrap();
@@ -29,7 +28,7 @@ fn plans_step_runs_each_plan_in_mirrored_order() {
     let cases = dir.join("plan-cases.txt");
     std::fs::write(
         &cases,
-        "llama-3.1-8b/tok128k/tp1cp1 8x17 12x11\n\nqwen2.5-14b/tok64k/tp4cp1 15x9\nqwen2.5-14b/tok64k/tp2cp1 chunk=8448 12x11 chunk=waves\nllama-3.1-8b/tok16k/tp1cp1 LMHEAD_BWD_OVERLAP=0 LMHEAD_BWD_OVERLAP=1,LMHEAD_BWD_CHUNK_WAVES=1\n",
+        "llama-3.1-8b/tok128k/tp1cp1 8x17 12x11\n\nqwen2.5-14b/tok64k/tp4cp1 15x9\nqwen2.5-14b/tok64k/tp2cp1 chunk=8448 12x11\nllama-3.1-8b/tok16k/tp1cp1 LMHEAD_BWD_OVERLAP=0 LMHEAD_BWD_OVERLAP=1,LMHEAD_BWD_TILES=2\n",
     )
     .unwrap();
     let run = Command::new("bash")
@@ -41,7 +40,7 @@ fn plans_step_runs_each_plan_in_mirrored_order() {
         .env("LMHEAD_TUNE_CACHE", "off")
         .env_remove("LMHEAD_FWD_SPLITS")
         .env_remove("LMHEAD_FWD_RASTER")
-        .env_remove("LMHEAD_BWD_CHUNK_WAVES")
+        .env_remove("LMHEAD_BWD_TILES")
         .env_remove("LMHEAD_BWD_OVERLAP")
         .env_remove("BUDGET")
         .output();
@@ -79,16 +78,14 @@ fn plans_step_runs_each_plan_in_mirrored_order() {
         timed(c, "-x-"),
         chunked(c, 8448),
         timed(c, "12x11"),
-        timed(c, "waves -x-"),
-        timed(c, "waves -x-"),
         timed(c, "12x11"),
         chunked(c, 8448),
         timed(c, "-x-"),
         fill(d),
         timed(d, "-x-"),
         timed(d, "overlap=0 -x-"),
-        timed(d, "overlap=1 waves -x-"),
-        timed(d, "overlap=1 waves -x-"),
+        timed(d, "overlap=1 tiles=2 -x-"),
+        timed(d, "overlap=1 tiles=2 -x-"),
         timed(d, "overlap=0 -x-"),
         timed(d, "-x-"),
     ];

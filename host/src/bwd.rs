@@ -77,39 +77,6 @@ pub fn balanced_chunk(v: usize, width: usize) -> usize {
     v.div_ceil(v.div_ceil(width)).next_multiple_of(256).min(width)
 }
 
-/// [`balanced_chunk`]'s width moved for `dW`'s waves: a `dW` grid runs whole tiles of the full
-/// K (the token count) in waves of one tile per SM, so its time follows `⌈tiles / SMs⌉`, and a
-/// width whose tile count falls just under a multiple of the SM count wastes no last wave
-/// (docs/PERFORMANCE.md, *The backward's idle SMs are whole-tile waves*; at v = 76032, d = 5120
-/// on 132 SMs: ten chunks of 7680 columns and less take 99 waves, nine of 8448 take 90). Among
-/// widths `c` (multiples of 256) within 7/8 … 9/8 of `balanced` that need no more chunks than
-/// it, the one whose chunks' `dw_waves(width)` sum least; `balanced` unless one is strictly
-/// fewer; ties to the nearest. The configs stay those of the nominal width (the tuning keys), so
-/// only the chunk boundaries move; the staging buffer may grow by up to 1/8.
-pub fn wave_chunk(v: usize, balanced: usize, dw_waves: impl Fn(usize) -> u64) -> usize {
-    if balanced == 0 || v <= balanced {
-        return balanced;
-    }
-    let chunks = v.div_ceil(balanced);
-    let total = |c: usize| {
-        let n = v.div_ceil(c);
-        (n as u64 - 1) * dw_waves(c) + dw_waves(v - (n - 1) * c)
-    };
-    let mut best = (total(balanced), 0, balanced);
-    let (lo, hi) = ((balanced * 7 / 8).next_multiple_of(256).max(256), balanced * 9 / 8);
-    for c in (lo..=hi).step_by(256).filter(|&c| v.div_ceil(c) <= chunks) {
-        best = best.min((total(c), c.abs_diff(balanced), c));
-    }
-    best.2
-}
-
-/// Waves of a `dW` grid over a chunk of `width` vocab rows in `cfg`'s tiles, with one tile per
-/// SM at a time ([`wave_chunk`]).
-fn dw_waves(cfg: TileConfig, width: usize, d: usize, sm_count: u32) -> u64 {
-    let tiles = width.div_ceil(cfg.bm as usize) as u64 * d.div_ceil(cfg.bn as usize) as u64;
-    tiles.div_ceil(sm_count.max(1) as u64)
-}
-
 /// Inputs of a backward call.
 pub struct BwdInputs<'a, L: LabelType> {
     pub h: &'a dyn DevicePtr<bf16>,
@@ -139,9 +106,7 @@ pub struct BwdOptions {
     pub temperature: f32,
     pub ignore_index: i64,
     /// Vocab chunk width (staging columns); `None` (the default): [`auto_chunk`] of the token
-    /// count and hidden size, spread evenly over the chunks it needs ([`balanced_chunk`]), and,
-    /// with `LMHEAD_BWD_CHUNK_WAVES=1` (a measurement switch, off by default until measured),
-    /// moved for `dW`'s waves ([`wave_chunk`]).
+    /// count and hidden size, spread evenly over the chunks it needs ([`balanced_chunk`]).
     pub chunk: Option<usize>,
     /// Config choices of the d-logits kernel and the two GEMMs.
     pub config: BwdConfigs,
@@ -177,6 +142,9 @@ pub struct BwdReport {
     pub dw: Option<TileConfig>,
     pub chunk: usize,
     pub chunks: usize,
+    /// Each chunk's `dW` GEMM ran on the library's side stream beside its `dh` GEMM (the
+    /// default when `dW` is asked for; `LMHEAD_BWD_OVERLAP=0` runs it after `dh`).
+    pub dw_beside_dh: bool,
     /// Bytes of workspace the call used (staging + accumulator).
     pub workspace_bytes: usize,
 }
@@ -288,28 +256,23 @@ impl LmHead {
         let p = x.p;
         let (h, w) = (x.x.h, x.x.w);
         // The configs are tuned (and looked up) at the nominal width, the table's keys; the
-        // automatic width is then spread evenly over the chunks it needs (and, when asked,
-        // moved for dW's waves).
+        // automatic width is then spread evenly over the chunks it needs.
         let nominal = opts.chunk.unwrap_or_else(|| auto_chunk(p.t, p.d)).min(p.v);
         let tp = x.x.sc.v_begin != 0 || reduce_dh.is_some();
         let (cfg_dl, cfg_dh, cfg_dw) = self.bwd_configs(stream, opts.config, nominal, tp, x, dw.is_some())?;
         let chunk = match opts.chunk {
             Some(_) => nominal,
-            None if dw.is_some() && crate::plan::overrides::Overrides::get().bwd_chunk_waves == Some(true) => {
-                let sm = self.gpu.info().sm_count;
-                wave_chunk(p.v, balanced_chunk(p.v, nominal), |c| dw_waves(cfg_dw, c, p.d, sm))
-            }
             None => balanced_chunk(p.v, nominal),
         };
         let stride = stride_of(chunk);
         let chunks = p.v.div_ceil(chunk);
         let mut guard = self.call_ws();
+        let overlap = dw.is_some() && crate::plan::overrides::Overrides::get().bwd_overlap != Some(false);
         {
             let ws = &mut *guard;
             // dW beside dh (one chunk's two GEMMs read the same staging and write disjoint
             // outputs): on the side stream after the chunk's d-logits, joined back before the
             // next chunk's d-logits overwrite the staging buffer.
-            let overlap = dw.is_some() && crate::plan::overrides::Overrides::get().bwd_overlap == Some(true);
             let side = if overlap { Some(Side::of(&mut ws.side, stream)?) } else { None };
             let src = &mut ws.src;
             let staging = ws.staging.get(src, stream, p.t * stride)?;
@@ -375,7 +338,7 @@ impl LmHead {
             }
         }
         let workspace_bytes = guard.staging.bytes() + guard.dh_acc.bytes();
-        Ok(BwdReport { dlogits: cfg_dl, dh: cfg_dh, dw: dw.map(|_| cfg_dw), chunk, chunks, workspace_bytes })
+        Ok(BwdReport { dlogits: cfg_dl, dh: cfg_dh, dw: dw.map(|_| cfg_dw), chunk, chunks, dw_beside_dh: overlap, workspace_bytes })
     }
 
     /// Configs of the three backward kernels (the `dW` one is the fallback, untuned, when
@@ -607,47 +570,5 @@ mod tests {
                 assert!(v <= width || last + 256 * v.div_ceil(c) > c, "v {v} width {width}: last {last} of {c}");
             }
         }
-    }
-
-    #[test]
-    fn wave_chunks_fill_the_last_wave_with_no_more_chunks() {
-        // dW tiles of 128 vocab rows × 256 of d on 132 SMs.
-        let cfg = |bm: u16, bn: u16| TileConfig { bm, bn, ..Family::BwdDw.candidates()[0] };
-        let c128 = cfg(128, 256);
-        // dW waves of all chunks of width `c` over `v` columns, in `tile`'s tiles.
-        let waves_in = |tile: TileConfig, v: usize, c: usize, d: usize| {
-            let n = v.div_ceil(c);
-            (n as u64 - 1) * dw_waves(tile, c, d, 132) + dw_waves(tile, v - (n - 1) * c, d, 132)
-        };
-        let waves = |v: usize, c: usize, d: usize| waves_in(c128, v, c, d);
-        // Qwen2.5-14B at TP = 2: ten chunks of 7680 (the last 6912) take 99 waves, nine of 8448 take 90.
-        let (v, d) = (76032, 5120);
-        assert_eq!(balanced_chunk(v, 8192), 7680);
-        assert_eq!(waves(v, 7680, d), 99);
-        let c = wave_chunk(v, 7680, |w| dw_waves(c128, w, d, 132));
-        assert_eq!((c, waves(v, c, d), v.div_ceil(c)), (8448, 90, 9));
-        // Over many shapes: never more chunks or more waves, always within 7/8 … 9/8 and a
-        // multiple of 256 when moved; one chunk stays as it is.
-        for d in [2048, 4096, 5120, 8192] {
-            for width in [8192, 16384] {
-                for v in (1000..260_000).step_by(1999) {
-                    let b = balanced_chunk(v, width);
-                    let c = wave_chunk(v, b, |w| dw_waves(c128, w, d, 132));
-                    assert!(v.div_ceil(c) <= v.div_ceil(b), "v {v} d {d}: {c} needs more chunks than {b}");
-                    assert!(waves(v, c, d) <= waves(v, b, d), "v {v} d {d}: {c} against {b}");
-                    if c != b {
-                        assert!(waves(v, c, d) < waves(v, b, d) && c % 256 == 0, "v {v} d {d}: {c}");
-                        assert!(8 * c >= 7 * b && 8 * c <= 9 * b, "v {v} d {d}: {c} far from {b}");
-                    }
-                    if v <= b {
-                        assert_eq!(c, b);
-                    }
-                }
-            }
-        }
-        // Another tile shape moves to another width: 256-row tiles of 128 columns of d.
-        let c256 = cfg(256, 128);
-        let c = wave_chunk(v, 7680, |w| dw_waves(c256, w, d, 132));
-        assert!(waves_in(c256, v, c, d) <= waves_in(c256, v, 7680, d));
     }
 }

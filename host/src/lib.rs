@@ -62,8 +62,7 @@ pub use lmhead_core::{Family, Problem, TileConfig, TokenBucket};
 
 pub use borrowed::{borrowed_stream, Borrowed};
 pub use bwd::{
-    auto_chunk, balanced_chunk, wave_chunk, BwdConfigs, BwdInputs, BwdOptions, BwdReport, GradOut, MAX_AUTO_CHUNK, MIN_AUTO_CHUNK,
-    STAGING_BUDGET_BYTES,
+    auto_chunk, balanced_chunk, BwdConfigs, BwdInputs, BwdOptions, BwdReport, GradOut, MAX_AUTO_CHUNK, MIN_AUTO_CHUNK, STAGING_BUDGET_BYTES,
 };
 pub use fwd::{FwdInputs, FwdOptions, FwdOutputs, FwdReport};
 pub use plan::overrides::PLAN_OVERRIDE_VARS;

@@ -3,10 +3,9 @@
 //! `LMHEAD_FWD_SPLITS` / `LMHEAD_FWD_RASTER` / `LMHEAD_FWD_FILL` (forward split count / raster
 //! group of token tiles / tiles per filler, 0 = none), `LMHEAD_BWD_TILES` / `LMHEAD_BWD_RASTER` /
 //! `LMHEAD_BWD_FILL` (n tiles per block / raster group / tiles per filler of the Hopper backward
-//! kernels), `LMHEAD_BWD_CHUNK_WAVES=1` / `0` (the backward's automatic chunk width moved for
-//! `dW`'s waves, `crate::wave_chunk`, or not), `LMHEAD_BWD_OVERLAP=1` / `0` (each chunk's `dW`
-//! GEMM on a second stream beside its `dh` GEMM, or after it on the call's stream). A value that
-//! does not parse is reported once on stderr and ignored.
+//! kernels), `LMHEAD_BWD_OVERLAP=0` / `1` (each chunk's `dW` GEMM after its `dh` GEMM on the
+//! call's stream, or, the default, on a second stream beside it). A value that does not parse is
+//! reported once on stderr and ignored.
 
 use std::sync::OnceLock;
 
@@ -14,7 +13,7 @@ use lmhead_core::split::PlanOverride;
 
 /// The environment variables the launch plans read (`Overrides`), in one list for whoever
 /// records which were set (the bench's records).
-pub const PLAN_OVERRIDE_VARS: [&str; 9] = [
+pub const PLAN_OVERRIDE_VARS: [&str; 8] = [
     "LMHEAD_FWD_L2",
     "LMHEAD_FWD_SPLITS",
     "LMHEAD_FWD_RASTER",
@@ -22,13 +21,12 @@ pub const PLAN_OVERRIDE_VARS: [&str; 9] = [
     "LMHEAD_BWD_TILES",
     "LMHEAD_BWD_RASTER",
     "LMHEAD_BWD_FILL",
-    "LMHEAD_BWD_CHUNK_WAVES",
     "LMHEAD_BWD_OVERLAP",
 ];
 
 /// The variables of [`PLAN_OVERRIDE_VARS`] that take `0` or `1` (the others a non-negative
 /// integer, except `LMHEAD_FWD_L2`, which only `0` sets).
-const FLAG_VARS: [&str; 2] = ["LMHEAD_BWD_CHUNK_WAVES", "LMHEAD_BWD_OVERLAP"];
+const FLAG_VARS: [&str; 1] = ["LMHEAD_BWD_OVERLAP"];
 
 /// Every override; `Default` is "none".
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -37,11 +35,8 @@ pub(crate) struct Overrides {
     pub fwd_l2_off: bool,
     pub fwd: PlanOverride,
     pub bwd: PlanOverride,
-    /// `LMHEAD_BWD_CHUNK_WAVES`: `Some(true)` moves the backward's automatic chunk width for
-    /// `dW`'s waves, `Some(false)` or unset keeps the balanced width.
-    pub bwd_chunk_waves: Option<bool>,
-    /// `LMHEAD_BWD_OVERLAP`: `Some(true)` runs each chunk's `dW` GEMM on a second stream beside
-    /// its `dh` GEMM, `Some(false)` after it on the call's stream; unset: the library's default.
+    /// `LMHEAD_BWD_OVERLAP`: `Some(false)` runs each chunk's `dW` GEMM after its `dh` GEMM on
+    /// the call's stream; `Some(true)` or unset (the default) on a second stream beside it.
     pub bwd_overlap: Option<bool>,
 }
 
@@ -81,8 +76,8 @@ impl Overrides {
                 }
             })
         };
-        let (bwd_chunk_waves, bwd_overlap) = (flag(FLAG_VARS[0]), flag(FLAG_VARS[1]));
-        (Overrides { fwd_l2_off, fwd, bwd, bwd_chunk_waves, bwd_overlap }, bad)
+        let bwd_overlap = flag(FLAG_VARS[0]);
+        (Overrides { fwd_l2_off, fwd, bwd, bwd_overlap }, bad)
     }
 }
 
@@ -109,11 +104,9 @@ mod tests {
             ("LMHEAD_BWD_RASTER", "0"),
             ("LMHEAD_FWD_FILL", "0"),
             ("LMHEAD_BWD_FILL", "2"),
-            ("LMHEAD_BWD_CHUNK_WAVES", " 1"),
-            ("LMHEAD_BWD_OVERLAP", "0"),
+            ("LMHEAD_BWD_OVERLAP", " 0"),
         ]);
         assert!(bad.is_empty());
-        assert_eq!(o.bwd_chunk_waves, Some(true));
         assert_eq!(o.bwd_overlap, Some(false));
         assert!(o.fwd_l2_off);
         assert_eq!(o.fwd, PlanOverride { splits: Some(8), tiles: None, raster: Some(16), fill: Some(0) });
@@ -138,21 +131,15 @@ mod tests {
 
     #[test]
     fn bad_values_are_reported_and_ignored() {
-        let (o, bad) = parse(&[
-            ("LMHEAD_FWD_SPLITS", "eight"),
-            ("LMHEAD_BWD_TILES", "-1"),
-            ("LMHEAD_FWD_L2", "1"),
-            ("LMHEAD_BWD_CHUNK_WAVES", "yes"),
-            ("LMHEAD_BWD_OVERLAP", "2"),
-        ]);
+        let (o, bad) =
+            parse(&[("LMHEAD_FWD_SPLITS", "eight"), ("LMHEAD_BWD_TILES", "-1"), ("LMHEAD_FWD_L2", "1"), ("LMHEAD_BWD_OVERLAP", "yes")]);
         assert_eq!(o, Overrides::default());
         assert_eq!(
             bad,
             vec![
                 ("LMHEAD_FWD_SPLITS", "eight".to_string()),
                 ("LMHEAD_BWD_TILES", "-1".to_string()),
-                ("LMHEAD_BWD_CHUNK_WAVES", "yes".to_string()),
-                ("LMHEAD_BWD_OVERLAP", "2".to_string())
+                ("LMHEAD_BWD_OVERLAP", "yes".to_string())
             ]
         );
     }
