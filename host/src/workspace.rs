@@ -271,6 +271,12 @@ impl<T: DeviceRepr + ValidAsZeroBits> Grow<T> {
 /// are written) and `done` (its `dW` is). The stream has the device's greatest priority, so
 /// that the block scheduler hands free SMs to `dW`'s blocks first and `dh`'s blocks take the
 /// SMs that `dW`'s last wave leaves idle.
+///
+/// The stream is created through the driver and wrapped as a borrowed cudarc stream, which
+/// `Side` destroys when dropped: a stream made by cudarc would switch a context that has none
+/// (a caller's allocator in place of the library's workspace stream, as in the Python package)
+/// into cudarc's multi-stream mode, with an event recorded at every later use of a cudarc
+/// buffer. The ordering the side stream needs is the two events'.
 pub struct Side {
     pub stream: Arc<CudaStream>,
     pub ready: CudaEvent,
@@ -284,13 +290,32 @@ impl Side {
         if slot.is_none() {
             let ctx = call.context();
             let create = || -> std::result::Result<Side, cudarc::driver::DriverError> {
+                use cudarc::driver::result::stream;
                 ctx.bind_to_thread()?;
-                let (_, greatest) = cudarc::driver::result::stream::get_priority_range()?;
-                Ok(Side { stream: ctx.new_stream_with_priority(greatest)?, ready: ctx.new_event(None)?, done: ctx.new_event(None)? })
+                let (ready, done) = (ctx.new_event(None)?, ctx.new_event(None)?);
+                let (_, greatest) = stream::get_priority_range()?;
+                let raw = stream::create_with_priority(stream::StreamKind::NonBlocking, greatest)?;
+                // SAFETY: `raw` is a live stream of `ctx` (bound above), just created; `Side`
+                // owns it and destroys it only in its `Drop`, and every wrapper of it (this one
+                // and the clones cudarc buffers keep while queued on it) lives in `Side` or is
+                // dropped within the backward call that queued it. Work on it is ordered against
+                // the call's stream by `ready` and `done`.
+                let stream = unsafe { ctx.wrap_borrowed_stream(raw) };
+                Ok(Side { stream, ready, done })
             };
             *slot = Some(create().during(|| "creating the backward's dW stream".into())?);
         }
         Ok(slot.as_ref().unwrap())
+    }
+}
+
+impl Drop for Side {
+    fn drop(&mut self) {
+        let _ = self.stream.context().bind_to_thread();
+        // SAFETY: the stream was created by `Side::of` and is destroyed only here; the wrapper
+        // does not destroy it. Work still queued on it completes first (the driver releases the
+        // stream's resources after it).
+        let _ = unsafe { cudarc::driver::result::stream::destroy(self.stream.cu_stream()) };
     }
 }
 
