@@ -30,7 +30,7 @@
 //!
 //! **Communicators.** [`LocalComm`]: ranks are threads of one process (usually on one GPU,
 //! for tests and for simulating TP); reductions go through host memory in rank order, so results
-//! are deterministic. [`NcclComm`] (feature `nccl`): one process or thread per GPU over NCCL,
+//! are deterministic. `NcclComm` (feature `nccl`): one process or thread per GPU over NCCL,
 //! bootstrapped with the usual unique id.
 
 use std::sync::{Arc, Condvar, Mutex};

@@ -73,7 +73,7 @@ pub struct Table {
     /// timed: other kernels use it as a prior only (per family, see `family_hashes`).
     #[serde(default)]
     pub ptx_hash: String,
-    /// Per family, [`crate::ptx::family_hash`] of the kernels it timed: with other PTX as a
+    /// Per family, the hash of the kernels it timed (`ptx::family_hash`): with other PTX as a
     /// whole, a family whose candidates are unchanged keeps the table's measurements.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub family_hashes: BTreeMap<Family, String>,
