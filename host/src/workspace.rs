@@ -268,9 +268,10 @@ impl<T: DeviceRepr + ValidAsZeroBits> Grow<T> {
 
 /// The backward's second stream, on which each chunk's `dW` GEMM runs beside its `dh` GEMM,
 /// and the two events that order it against the call's stream: `ready` (the chunk's d-logits
-/// are written) and `done` (its `dW` is). The stream has the device's greatest priority, so
-/// that the block scheduler hands free SMs to `dW`'s blocks first and `dh`'s blocks take the
-/// SMs that `dW`'s last wave leaves idle.
+/// are written) and `done` (its `dW` is). The stream has a priority one step above the call's
+/// stream ([`priority_above`]), so that the block scheduler hands free SMs to `dW`'s blocks
+/// first and `dh`'s blocks take the SMs that `dW`'s last wave leaves idle, while a caller's
+/// streams of higher priority (a collective's, say) stay ahead of both.
 ///
 /// The stream is created through the driver and wrapped as a borrowed cudarc stream, which
 /// `Side` destroys when dropped: a stream made by cudarc would switch a context that has none
@@ -281,27 +282,47 @@ pub struct Side {
     pub stream: Arc<CudaStream>,
     pub ready: CudaEvent,
     pub done: CudaEvent,
+    /// The stream's priority.
+    priority: i32,
+}
+
+/// The priority one step above `caller`'s (CUDA: a lower number is a higher priority), but no
+/// higher than `greatest`, the device's highest.
+pub fn priority_above(caller: i32, greatest: i32) -> i32 {
+    caller.saturating_sub(1).max(greatest)
 }
 
 impl Side {
-    /// The side stream kept in `slot`, created there on first use in the context of `call` (the
-    /// call's stream).
+    /// The side stream kept in `slot` for a call on `call` (the call's stream): created there on
+    /// first use, and again when a call comes on a stream of another priority.
     pub fn of<'a>(slot: &'a mut Option<Side>, call: &Arc<CudaStream>) -> Result<&'a Side> {
+        use cudarc::driver::result::stream;
+        let ctx = call.context();
+        let priority = (|| -> std::result::Result<i32, cudarc::driver::DriverError> {
+            ctx.bind_to_thread()?;
+            let (_, greatest) = stream::get_priority_range()?;
+            let mut caller = 0;
+            // SAFETY: `call` is a live stream of `ctx` (the call's, validated to belong to the
+            // device's context); `caller` is a writable i32 the driver fills.
+            unsafe { cudarc::driver::sys::cuStreamGetPriority(call.cu_stream(), &mut caller) }.result()?;
+            Ok(priority_above(caller, greatest))
+        })()
+        .during(|| "reading the call stream's priority".into())?;
+        if slot.as_ref().is_some_and(|s| s.priority != priority) {
+            // Queued work on the old stream still completes (see `Drop`).
+            *slot = None;
+        }
         if slot.is_none() {
-            let ctx = call.context();
             let create = || -> std::result::Result<Side, cudarc::driver::DriverError> {
-                use cudarc::driver::result::stream;
-                ctx.bind_to_thread()?;
                 let (ready, done) = (ctx.new_event(None)?, ctx.new_event(None)?);
-                let (_, greatest) = stream::get_priority_range()?;
-                let raw = stream::create_with_priority(stream::StreamKind::NonBlocking, greatest)?;
+                let raw = stream::create_with_priority(stream::StreamKind::NonBlocking, priority)?;
                 // SAFETY: `raw` is a live stream of `ctx` (bound above), just created; `Side`
                 // owns it and destroys it only in its `Drop`, and every wrapper of it (this one
                 // and the clones cudarc buffers keep while queued on it) lives in `Side` or is
                 // dropped within the backward call that queued it. Work on it is ordered against
                 // the call's stream by `ready` and `done`.
                 let stream = unsafe { ctx.wrap_borrowed_stream(raw) };
-                Ok(Side { stream, ready, done })
+                Ok(Side { stream, ready, done, priority })
             };
             *slot = Some(create().during(|| "creating the backward's dW stream".into())?);
         }
@@ -401,5 +422,21 @@ impl std::ops::Deref for CallWs<'_> {
 impl std::ops::DerefMut for CallWs<'_> {
     fn deref_mut(&mut self) -> &mut Workspace {
         &mut self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::priority_above;
+
+    #[test]
+    fn the_side_stream_is_one_step_above_the_callers_and_no_higher_than_the_device_allows() {
+        // The H200's range: 0 (least, the default) to -5 (greatest).
+        assert_eq!(priority_above(0, -5), -1);
+        assert_eq!(priority_above(-3, -5), -4);
+        assert_eq!(priority_above(-5, -5), -5);
+        // A device without priorities (range 0 … 0).
+        assert_eq!(priority_above(0, 0), 0);
+        assert_eq!(priority_above(i32::MIN, -5), -5);
     }
 }
