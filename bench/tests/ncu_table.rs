@@ -4,8 +4,11 @@
 //! sub-metrics left out) and its sweep record (`data/sweep-case.jsonl`). Needs `python3`; without
 //! it each test prints why it skips.
 
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::Command;
+
+use common::has;
 
 fn data(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(name)
@@ -13,20 +16,7 @@ fn data(name: &str) -> PathBuf {
 
 /// The script's standard output for `args`, or `None` (the reason printed) without `python3`.
 fn table(args: &[&Path]) -> Option<String> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/ncu_table.py");
-    let out = match Command::new("python3").arg("-B").arg(script).args(args).output() {
-        Ok(out) => out,
-        Err(e) => {
-            println!("SKIP: python3 did not run ({e})");
-            return None;
-        }
-    };
-    assert!(out.status.success(), "ncu_table.py failed: {}", String::from_utf8_lossy(&out.stderr));
-    Some(String::from_utf8(out.stdout).expect("utf-8 output"))
-}
-
-fn has(text: &str, line: &str) {
-    assert!(text.lines().any(|l| l == line), "no line\n{line}\nin\n{text}");
+    common::run_script("ncu_table.py", args)
 }
 
 #[test]

@@ -4,25 +4,13 @@
 //! two `=1` runs (4.0×, 4.1×); a 1 ms case with one library run (4.0×), one `=1` run (4.4×) and one
 //! with a forced chunk (3.9×). Needs `python3`; without it the test prints why it skips.
 
-use std::path::Path;
-use std::process::Command;
+mod common;
+
+use common::has;
 
 /// The script's standard output for `args`, or `None` (the reason printed) without `python3`.
 fn table(args: &[&str]) -> Option<String> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let out = match Command::new("python3").arg("-B").arg(dir.join("scripts/plans_ab.py")).args(args).current_dir(dir).output() {
-        Ok(out) => out,
-        Err(e) => {
-            println!("SKIP: python3 did not run ({e})");
-            return None;
-        }
-    };
-    assert!(out.status.success(), "plans_ab.py failed: {}", String::from_utf8_lossy(&out.stderr));
-    Some(String::from_utf8(out.stdout).expect("utf-8 output"))
-}
-
-fn has(text: &str, line: &str) {
-    assert!(text.lines().any(|l| l == line), "no line\n{line}\nin\n{text}");
+    common::run_script("plans_ab.py", args)
 }
 
 #[test]
