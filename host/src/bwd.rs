@@ -308,7 +308,7 @@ impl LmHead {
                             g.dw_on(&s.stream, Some(&s.ready), cfg_dw, cw, &staging, &dw_chunk, mode)?;
                             s.done.record(&s.stream).during(|| "recording the dW event".into())?;
                         }
-                        None => g.dw_on(stream, None, cfg_dw, cw, &staging, &dw_chunk, mode)?,
+                        None => g.dw(cfg_dw, cw, &staging, &dw_chunk, mode)?,
                     }
                 }
                 // dh (+)= staging[:, :cw] · W[c0 .. c0 + cw]
@@ -508,7 +508,7 @@ impl Gemms<'_> {
         launch::bwd_gemm_after(self.gpu, stream, Family::BwdDw, cfg, &g, &GemmC { acc: None, out: Some(out), mode }, after)
     }
 
-    /// [`Gemms::dw_on`] the call's stream.
+    /// [`Gemms::dw_on`] on the call's stream.
     fn dw(&self, cfg: TileConfig, cw: usize, staging: &Dev, out: &Dev, mode: GemmOut) -> Result<()> {
         self.dw_on(self.stream, None, cfg, cw, staging, out, mode)
     }
