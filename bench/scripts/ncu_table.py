@@ -2,9 +2,12 @@
 """Per-kernel account of `lmhead-bench sweep` cases profiled by ncu (docs/PERFORMANCE.md, *How to
 reproduce*: the per-shape command, one `== <case>` line before each case's output).
 
-    python3 bench/scripts/ncu_table.py ncu.txt [sweep.jsonl ...] > table.md
-    python3 bench/scripts/ncu_table.py --compact ncu.txt [sweep.jsonl ...] > per-shape.md
+    python3 bench/scripts/ncu_table.py ncu.txt [ncu2.txt ...] [sweep.jsonl ...] > table.md
+    python3 bench/scripts/ncu_table.py --compact ncu.txt [ncu2.txt ...] [sweep.jsonl ...] > per-shape.md
     python3 bench/scripts/ncu_table.py --cases sweep.jsonl ... > ncu-cases.txt
+
+Arguments ending in `.jsonl` are sweep records, the others ncu outputs; a case profiled again in a
+later ncu output replaces the earlier profile in its place (a re-profiled subset over a whole run).
 
 `--cases`: the names of the sweep cases whose cuBLAS GEMM took at least 12 ms in the records
 given (one case per local shape, the latest record's, cheapest first): the input of
@@ -75,6 +78,16 @@ def cases(text):
             t, v, d = int(row[1]), int(row[2]), int(row[3])
             ch = re.search(r"chunk (\d+)", row[4])
             yield name.strip(), (t, v, d, int(ch[1]) if ch else v), groups
+
+
+def merged(texts):
+    """The `== <case>` blocks of several ncu outputs as one text, in the order of first appearance,
+    each case's block from the last output that profiled it."""
+    blocks = {}
+    for text in texts:
+        for block in re.split(r"^== ", text, flags=re.M)[1:]:
+            blocks[block.partition("\n")[0].strip()] = block
+    return "".join("== " + b for b in blocks.values())
 
 
 def pick(groups, test):
@@ -195,9 +208,9 @@ def main():
         return
     compact_only = sys.argv[1] == "--compact"
     args = sys.argv[2:] if compact_only else sys.argv[1:]
-    text = open(args[0]).read()
+    text = merged(open(a).read() for a in args if not a.endswith(".jsonl"))
     rows, summary, sums, compact = table(text)
-    bench = {k: r["fwd_bwd"]["p50"] / r["gemm"]["p50"] for k, r in records(args[1:]).items()}
+    bench = {k: r["fwd_bwd"]["p50"] / r["gemm"]["p50"] for k, r in records([a for a in args if a.endswith(".jsonl")]).items()}
     if compact_only:
         print("\n".join(compact_rows(compact, bench)))
         return

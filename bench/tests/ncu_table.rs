@@ -50,3 +50,22 @@ fn cases_and_compact_rows() {
     let Some(compact) = table(&[Path::new("--compact"), &data("ncu-case.txt"), &data("sweep-case.jsonl")]) else { return };
     has(&compact, "| 8192 × 248320 × 2048 (31232) | 10.4 | 1.03 | 1.02 · 1.008 · 1.017 | 14% | 1.05 | 1.12 | 1.02 | 1.06 | 4.19 | 4.15 |");
 }
+
+#[test]
+fn a_later_profile_of_a_case_replaces_the_earlier() {
+    let recorded = std::fs::read_to_string(data("ncu-case.txt")).unwrap();
+    // The same case profiled again, its `dh` slower: a re-profiled subset given after a whole run.
+    let (ms, later) = ("ms    1.33    1.34    1.34", "ms    1.45    1.46    1.46");
+    assert_eq!(recorded.matches(ms).count(), 1, "the fixture's dh duration line");
+    let path = std::env::temp_dir().join(format!("ncu-case-again-{}.txt", std::process::id()));
+    std::fs::write(&path, recorded.replace(ms, later)).unwrap();
+    let both = table(&[&data("ncu-case.txt"), &path, &data("sweep-case.jsonl")]);
+    let alone = table(&[&path, &data("sweep-case.jsonl")]);
+    std::fs::remove_file(&path).unwrap();
+    let (Some(both), Some(alone)) = (both, alone) else { return };
+    assert_eq!(both, alone, "one row per case, from the later profile");
+    has(&both, "|  | dh | 1.46 | 1.11 | 1.02 | 1.54 | 95.7% | 98.6% | 77% (58%) | 41% | clock −4%, idle SMs −4.1%, DRAM |");
+    let Some(twice) = table(&[&data("ncu-case.txt"), &data("ncu-case.txt"), &data("sweep-case.jsonl")]) else { return };
+    let Some(once) = table(&[&data("ncu-case.txt"), &data("sweep-case.jsonl")]) else { return };
+    assert_eq!(twice, once);
+}
