@@ -29,14 +29,23 @@ fn per_kernel_rows_wave_bound_and_step_sum() {
     has(&text, "| 8192 × 248320 × 2048, 31232 | 4.25 | 4.19 | 4.15 | -0.03 |");
 }
 
+/// The fixture's `dh` duration line, as ncu wrote it.
+const DH_MS: &str = "ms    1.33    1.34    1.34";
+
+/// A copy of the recorded case in a temporary file (`tag` names it) with its `dh` duration line
+/// written as `dh_line`.
+fn with_dh_line(tag: &str, dh_line: &str) -> PathBuf {
+    let recorded = std::fs::read_to_string(data("ncu-case.txt")).unwrap();
+    assert_eq!(recorded.matches(DH_MS).count(), 1, "the fixture's dh duration line");
+    let path = std::env::temp_dir().join(format!("ncu-case-{tag}-{}.txt", std::process::id()));
+    std::fs::write(&path, recorded.replace(DH_MS, dh_line)).unwrap();
+    path
+}
+
 #[test]
 fn durations_in_microseconds_read_as_milliseconds() {
-    let recorded = std::fs::read_to_string(data("ncu-case.txt")).unwrap();
     // ncu writes a short kernel's duration in `us`: the same `dh` group, so written.
-    let (ms, us) = ("ms    1.33    1.34    1.34", "us 1330.00 1340.00 1340.00");
-    assert_eq!(recorded.matches(ms).count(), 1, "the fixture's dh duration line");
-    let path = std::env::temp_dir().join(format!("ncu-case-us-{}.txt", std::process::id()));
-    std::fs::write(&path, recorded.replace(ms, us)).unwrap();
+    let path = with_dh_line("us", "us 1330.00 1340.00 1340.00");
     let got = table(&[&path, &data("sweep-case.jsonl")]);
     std::fs::remove_file(&path).unwrap();
     let (Some(got), Some(want)) = (got, table(&[&data("ncu-case.txt"), &data("sweep-case.jsonl")])) else { return };
@@ -53,12 +62,8 @@ fn cases_and_compact_rows() {
 
 #[test]
 fn a_later_profile_of_a_case_replaces_the_earlier() {
-    let recorded = std::fs::read_to_string(data("ncu-case.txt")).unwrap();
     // The same case profiled again, its `dh` slower: a re-profiled subset given after a whole run.
-    let (ms, later) = ("ms    1.33    1.34    1.34", "ms    1.45    1.46    1.46");
-    assert_eq!(recorded.matches(ms).count(), 1, "the fixture's dh duration line");
-    let path = std::env::temp_dir().join(format!("ncu-case-again-{}.txt", std::process::id()));
-    std::fs::write(&path, recorded.replace(ms, later)).unwrap();
+    let path = with_dh_line("again", "ms    1.45    1.46    1.46");
     let both = table(&[&data("ncu-case.txt"), &path, &data("sweep-case.jsonl")]);
     let alone = table(&[&path, &data("sweep-case.jsonl")]);
     std::fs::remove_file(&path).unwrap();
