@@ -127,16 +127,38 @@ fn entry_key(e: &Value) -> [String; 5] {
     ["family", "bucket", "d", "v", "config"].map(|k| e.get(k).map_or(String::new(), Value::to_string))
 }
 
+/// What [`merge`] did to the table's plans.
+#[derive(Debug, PartialEq)]
+struct Merged {
+    /// Plans the records gave again exactly as the table held them.
+    same: usize,
+    /// Plans the records gave for a key the table held with another plan.
+    changed: usize,
+    /// Plans for keys the table did not hold.
+    added: usize,
+    /// The table's plans for keys the records did not give, kept (0 with `replace`).
+    kept: usize,
+}
+
 /// `old` with `new` in place of the entries of the same keys (all of `old` dropped when
-/// `replace`), sorted by key; and how many of `old` stayed.
-fn merge(old: &[Value], new: Vec<Value>, replace: bool) -> (Vec<Value>, usize) {
+/// `replace`), sorted by key; and what changed against `old`.
+fn merge(old: &[Value], new: Vec<Value>, replace: bool) -> (Vec<Value>, Merged) {
+    let before: BTreeMap<[String; 5], &Value> = old.iter().map(|e| (entry_key(e), e)).collect();
+    let mut m = Merged { same: 0, changed: 0, added: 0, kept: 0 };
+    for e in &new {
+        match before.get(&entry_key(e)) {
+            Some(&o) if o == e => m.same += 1,
+            Some(_) => m.changed += 1,
+            None => m.added += 1,
+        }
+    }
     let mut by_key: BTreeMap<[String; 5], Value> = BTreeMap::new();
     if !replace {
         by_key.extend(old.iter().map(|e| (entry_key(e), e.clone())));
+        m.kept = by_key.keys().filter(|k| !new.iter().any(|e| entry_key(e) == **k)).count();
     }
-    let kept = by_key.keys().filter(|k| !new.iter().any(|e| entry_key(e) == **k)).count();
     by_key.extend(new.into_iter().map(|e| (entry_key(&e), e)));
-    (by_key.into_values().collect(), kept)
+    (by_key.into_values().collect(), m)
 }
 
 pub fn run(args: &[String]) -> Result<(), String> {
@@ -178,7 +200,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     }
     let obj = doc.as_object_mut().ok_or_else(|| format!("{table}: not a tuning table"))?;
     let old = obj.get("plans").and_then(Value::as_array).cloned().unwrap_or_default();
-    let (plans, kept) = merge(&old, plans, replace);
+    let (plans, m) = merge(&old, plans, replace);
     let n = plans.len();
     if plans.is_empty() {
         obj.remove("plans");
@@ -187,7 +209,15 @@ pub fn run(args: &[String]) -> Result<(), String> {
     }
     let text = serde_json::to_string(&doc).map_err(|e| e.to_string())?;
     std::fs::write(&table, text).map_err(|e| format!("{table}: {e}"))?;
-    eprintln!("wrote {table}: {n} plans ({kept} of the table's {} kept)", old.len());
+    eprintln!(
+        "wrote {table}: {n} plans ({} as the table held them, {} changed, {} added; {} of its {} kept without a record{})",
+        m.same,
+        m.changed,
+        m.added,
+        m.kept,
+        old.len(),
+        if replace { ", --replace" } else { "" }
+    );
     Ok(())
 }
 
@@ -278,8 +308,8 @@ mod tests {
     fn new_plans_replace_their_keys_and_the_others_stay() {
         let e = |family: &str, v: u64, splits: u64| serde_json::json!({"family": family, "bucket": 131072, "d": 4096, "v": v, "config": {"bm": 128}, "splits": splits, "raster": 11});
         let old = [e("Fwd", 128256, 12), e("FwdEnt", 128256, 12), e("Fwd", 64128, 8)];
-        let (merged, kept) = merge(&old, vec![e("Fwd", 128256, 15), e("Fwd", 32064, 9)], false);
-        assert_eq!(kept, 2);
+        let (merged, m) = merge(&old, vec![e("Fwd", 128256, 15), e("Fwd", 32064, 9), e("Fwd", 64128, 8)], false);
+        assert_eq!(m, Merged { same: 1, changed: 1, added: 1, kept: 1 });
         assert_eq!(merged.len(), 4, "{merged:?}");
         let splits = |f: &str, v: u64| merged.iter().find(|x| x["family"] == f && x["v"] == v).map(|x| x["splits"].as_u64().unwrap());
         assert_eq!(
@@ -291,8 +321,8 @@ mod tests {
         other["config"] = serde_json::json!({"bm": 256});
         assert_eq!(merge(&old, vec![other], false).0.len(), 4);
         // --replace: only what the records give.
-        let (merged, kept) = merge(&old, vec![e("Fwd", 32064, 9)], true);
-        assert_eq!((merged.len(), kept), (1, 0));
+        let (merged, m) = merge(&old, vec![e("Fwd", 32064, 9)], true);
+        assert_eq!((merged.len(), m), (1, Merged { same: 0, changed: 0, added: 1, kept: 0 }));
     }
 
     #[test]
