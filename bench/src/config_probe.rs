@@ -3,10 +3,10 @@
 //! each sm90 `dh` candidate (the d-logits and `dW` tuned) and the tuned backward, beside a cuBLAS
 //! GEMM of the same shape and four of them back to back (the training step's FLOP as one
 //! sustained load: what the GEMM baseline itself loses to the clock when it runs as long as the
-//! step). The variants take turns within each round (orders that spread what runs before each one, `RoundOrders`), so all see
-//! the same clock: what a config costs in the steady state, without editing a tuning cache.
-//! Unless `--no-check`, each forward variant's log-probs are then checked against the f64
-//! reference on sampled rows.
+//! step). The variants take turns within each round (in orders that spread what runs before
+//! each one, `RoundOrders`), so all see the same clock: what a config costs in the steady state,
+//! without editing a tuning cache. Unless `--no-check`, each forward variant's log-probs are then
+//! checked against the f64 reference on sampled rows.
 
 use std::sync::Arc;
 
@@ -83,8 +83,9 @@ fn probe(head: &LmHead, stream: &Arc<CudaStream>, args: &Args, (t, v, d): (usize
     // variant always follows the same one: a variant's time depends on the one before it
     // (a slow kernel leaves the board cooler, and the next one clocks higher), by up to 5% here.
     let mut orders = crate::RoundOrders::new(n, n - 1);
+    let all = vec![true; n];
     for round in 0..reps + 2 {
-        for i in orders.next(&vec![true; n]) {
+        for i in orders.next(&all) {
             let ms = if i == 0 {
                 sample(stream, &mut || gemm.run(&h, &w))?
             } else if i == n - 1 {

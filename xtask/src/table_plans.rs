@@ -143,21 +143,23 @@ struct Merged {
 /// `old` with `new` in place of the entries of the same keys (all of `old` dropped when
 /// `replace`), sorted by key; and what changed against `old`.
 fn merge(old: &[Value], new: Vec<Value>, replace: bool) -> (Vec<Value>, Merged) {
-    let before: BTreeMap<[String; 5], &Value> = old.iter().map(|e| (entry_key(e), e)).collect();
+    let mut by_key: BTreeMap<[String; 5], Value> = old.iter().map(|e| (entry_key(e), e.clone())).collect();
     let mut m = Merged { same: 0, changed: 0, added: 0, kept: 0 };
-    for e in &new {
-        match before.get(&entry_key(e)) {
-            Some(&o) if o == e => m.same += 1,
+    let mut given = BTreeMap::new();
+    for e in new {
+        match by_key.get(&entry_key(&e)) {
+            Some(o) if *o == e => m.same += 1,
             Some(_) => m.changed += 1,
             None => m.added += 1,
         }
+        given.insert(entry_key(&e), e);
     }
-    let mut by_key: BTreeMap<[String; 5], Value> = BTreeMap::new();
-    if !replace {
-        by_key.extend(old.iter().map(|e| (entry_key(e), e.clone())));
-        m.kept = by_key.keys().filter(|k| !new.iter().any(|e| entry_key(e) == **k)).count();
+    if replace {
+        by_key.clear();
+    } else {
+        m.kept = by_key.keys().filter(|k| !given.contains_key(*k)).count();
     }
-    by_key.extend(new.into_iter().map(|e| (entry_key(&e), e)));
+    by_key.extend(given);
     (by_key.into_values().collect(), m)
 }
 
