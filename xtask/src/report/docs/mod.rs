@@ -10,7 +10,7 @@
 //! <!-- end -->
 //! ```
 //!
-//! What is between them is replaced by the table of that suite and view (see [`bench`] and
+//! What is between them is replaced by the table of that suite and view (see [`mod@bench`] and
 //! [`other`] for the views each kind of record has), followed by one line that names the GPU,
 //! the driver, the commits and the results files of its records.
 //!
