@@ -13,7 +13,8 @@
 
 use std::fmt::Write as _;
 
-use super::super::{latest, pairs, parse, summaries, Record, Tuning, OPS};
+use super::super::markdown::reduction_table;
+use super::super::{latest, pairs, parse, Record, Tuning};
 use super::{counted, driver_text, median_range, x, Source};
 
 /// Shapes whose GEMM takes at least this many milliseconds are the large ones (those the
@@ -161,24 +162,7 @@ fn versus_fixed(src: &Source, records: &[Record]) -> Result<String, String> {
     }
     let ps: Vec<_> = all.iter().collect();
     let mut s = String::new();
-    let _ = writeln!(s, "| operation | shapes | mean | median | p90 | max | shapes faster | worst |");
-    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---|");
-    let pct = |v: f64| format!("{v:.1}%");
-    for (op, sum) in OPS.iter().zip(summaries(&ps)) {
-        let Some(m) = sum else { continue };
-        let worst = m.worst.as_ref().map(|(v, name)| format!("{} ({name})", pct(*v))).unwrap_or_else(|| "none".into());
-        let _ = writeln!(
-            s,
-            "| {op} | {} | {} | {} | {} | {} | {}/{} | {worst} |",
-            m.n,
-            pct(m.mean),
-            pct(m.median),
-            pct(m.p90),
-            pct(m.max),
-            m.faster,
-            m.n
-        );
-    }
+    reduction_table(&mut s, &ps);
     let auto: Vec<&Record> = all.iter().map(|p| &p.auto).collect();
     let kinds = counted(all.iter().map(|p| p.base.tuning.as_str()), "shape");
     let _ = write!(s, "\nLatency reduction `(fixed − auto) / fixed` of the medians against `{kinds}` configs. {}", footer(src, &auto));
