@@ -15,7 +15,9 @@
 //!   into `.gpu/` (git-ignored), ready to carry to a GPU machine without Rust.
 //! - `bench-report <results.jsonl> [--out-dir DIR]`: turn `lmhead-bench` JSON lines into a
 //!   markdown report (tables, autotuned vs fallback summary) and PNG plots, by default in
-//!   `docs/bench/` (see `report.rs`). Needs no GPU.
+//!   `docs/bench/`; `bench-report --docs` regenerates the tables of README.md and
+//!   docs/PERFORMANCE.md from the results files `docs/results/SUITES` lists, `--check` (CI)
+//!   fails where they are stale (see `report/`). Needs no GPU.
 //! - `tune-table <tune-table.jsonl>... [--out FILE] [--report FILE]`: merge `lmhead-bench
 //!   tune-table` records into the shipped table of tuned configs (`host/tuned/`) and report the
 //!   autotuned picks against the best fixed configs (see `tune_table.rs`). Needs no GPU.
@@ -175,7 +177,7 @@ fn main() -> ExitCode {
         Some("bench-report") => report::run(&args[1..]),
         Some("tune-table") => tune_table::run(&args[1..]),
         Some("table-plans") => table_plans::run(&args[1..]),
-        _ => Err("usage: cargo xtask <setup|build-ptx|test|demo|bench|gpu-bundle|bench-report <results.jsonl> [--out-dir DIR]|tune-table <tune-table.jsonl>... [--out FILE] [--report FILE]|table-plans [--table FILE] [--margin M] [--replace] <records.jsonl>...>".into()),
+        _ => Err("usage: cargo xtask <setup|build-ptx|test|demo|bench|gpu-bundle|bench-report <results.jsonl> [--out-dir DIR] | --docs | --check|tune-table <tune-table.jsonl>... [--out FILE] [--report FILE]|table-plans [--table FILE] [--margin M] [--replace] <records.jsonl>...>".into()),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -45,6 +45,34 @@ fn pct(x: f64) -> String {
     format!("{x:.1}%")
 }
 
+/// The latency reductions of `ps` per operation (fwd, fwd+ent, fwd+bwd): a header and one row
+/// each; also the docs' `versus-fixed` table.
+pub(super) fn reduction_table(s: &mut String, ps: &[&Pair]) {
+    let _ = writeln!(s, "| op | shapes | mean | median | p90 | max | shapes faster | worst regression |");
+    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---|");
+    for (op, sum) in OPS.iter().zip(summaries(ps)) {
+        match sum {
+            Some(m) => {
+                let worst = m.worst.as_ref().map(|(x, name)| format!("{} ({name})", pct(*x))).unwrap_or_else(|| "none".into());
+                let _ = writeln!(
+                    s,
+                    "| {op} | {} | {} | {} | {} | {} | {}/{} | {worst} |",
+                    m.n,
+                    pct(m.mean),
+                    pct(m.median),
+                    pct(m.p90),
+                    pct(m.max),
+                    m.faster,
+                    m.n
+                );
+            }
+            None => {
+                let _ = writeln!(s, "| {op} | 0 | - | - | - | - | - | - |");
+            }
+        }
+    }
+}
+
 /// The whole `report.md`. `source` names the input file; `read` is the number of records in it.
 pub fn markdown(source: &str, read: usize, records: &[Record], plots: &[&str]) -> String {
     let mut s = String::new();
@@ -123,29 +151,7 @@ pub fn markdown(source: &str, read: usize, records: &[Record], plots: &[&str]) -
         for suite in suites {
             let ps: Vec<&Pair> = all.iter().filter(|p| p.suite == suite).collect();
             let _ = writeln!(s, "### Suite `{suite}`: {} shapes compared\n", ps.len());
-            let _ = writeln!(s, "| op | shapes | mean | median | p90 | max | shapes faster | worst regression |");
-            let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---|");
-            for (op, sum) in OPS.iter().zip(summaries(&ps)) {
-                match sum {
-                    Some(m) => {
-                        let worst = m.worst.as_ref().map(|(x, name)| format!("{} ({name})", pct(*x))).unwrap_or_else(|| "none".into());
-                        let _ = writeln!(
-                            s,
-                            "| {op} | {} | {} | {} | {} | {} | {}/{} | {worst} |",
-                            m.n,
-                            pct(m.mean),
-                            pct(m.median),
-                            pct(m.p90),
-                            pct(m.max),
-                            m.faster,
-                            m.n
-                        );
-                    }
-                    None => {
-                        let _ = writeln!(s, "| {op} | 0 | - | - | - | - | - | - |");
-                    }
-                }
-            }
+            reduction_table(&mut s, &ps);
             let _ = writeln!(s, "\nPer shape (auto / fixed ms, reduction; the fixed run's kind in the case column):\n");
             let _ = writeln!(s, "| # | case | T | V | D | fwd | fwd+ent | fwd+bwd |");
             let _ = writeln!(s, "|---:|---|---:|---:|---:|---:|---:|---:|");

@@ -1,8 +1,9 @@
-//! `cargo xtask bench-report <results.jsonl> [--out-dir DIR]`: turn the JSON lines that
-//! `lmhead-bench` appends (one record per measured shape) into a markdown report and PNG plots.
+//! `cargo xtask bench-report`: turn the JSON lines that `lmhead-bench` appends (one record per
+//! measured shape) into a markdown report and PNG plots, or regenerate the docs' tables.
 //!
-//! What it writes into the output directory (default `docs/bench` under the repository root; a
-//! given `--out-dir` is relative to the current directory):
+//! `bench-report <results.jsonl> [--out-dir DIR]` writes into the output directory (default
+//! `docs/bench` under the repository root; a given `--out-dir` is relative to the current
+//! directory):
 //!
 //! - `report.md`: one table per (suite, tuning) with the p50 times, their ratio to the cuBLAS
 //!   GEMM of the same shape, forward TFLOP/s and workspace; then an "autotuned vs fixed fallback"
@@ -13,13 +14,19 @@
 //! When a shape (suite, tuning, T, V, D) was measured more than once, the record with the latest
 //! timestamp is used (the later line of the file on a tie). The markdown also goes to stdout.
 //!
+//! `bench-report --docs` regenerates the tables of README.md and docs/PERFORMANCE.md between
+//! their markers from the results files that `docs/results/SUITES` lists; `bench-report --check`
+//! fails where they differ, or where `docs/results/` holds other files (see [`docs`]). Both take
+//! `--root DIR` (default: this repository).
+//!
 //! Plots use `plotters` with its pure-Rust `ab_glyph` text rendering; the font is a TTF read at
 //! run time (`LMHEAD_PLOT_FONT`, then a list of common paths). Without one, the plots are still
 //! written, without any text, and a note goes to stderr.
 //!
 //! Here: the records (parsing, latest per shape, groups, autotuned/fallback pairs, summaries)
-//! and the task; `markdown` writes the report, `plot` the PNGs.
+//! and the task; `markdown` writes the report, `plot` the PNGs, `docs` the docs' tables.
 
+mod docs;
 mod markdown;
 mod plot;
 
@@ -307,16 +314,30 @@ pub fn utc_date(timestamp: u64) -> String {
 // The task
 // ---------------------------------------------------------------------------------------------
 
-const USAGE: &str = "usage: cargo xtask bench-report <results.jsonl> [--out-dir DIR]   (DIR defaults to docs/bench)";
+const USAGE: &str = "usage: cargo xtask bench-report <results.jsonl> [--out-dir DIR]   (DIR defaults to docs/bench)\n       \
+                     cargo xtask bench-report --docs|--check [--root DIR]   (the docs' tables from docs/results/SUITES)";
+
+/// The repository root: xtask's parent directory, wherever the task runs from.
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap_or(Path::new(".")).to_path_buf()
+}
 
 /// Runs the task with the arguments after `bench-report`.
 pub fn run(args: &[String]) -> Result<(), String> {
     let mut input: Option<PathBuf> = None;
     let mut out_dir: Option<PathBuf> = None;
+    let mut docs_mode: Option<bool> = None;
+    let mut root: Option<PathBuf> = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--out-dir" => out_dir = Some(it.next().ok_or("--out-dir needs a value")?.into()),
+            "--docs" | "--check" if docs_mode.is_some_and(|c| c != (a == "--check")) => {
+                return Err(format!("--docs and --check exclude each other\n{USAGE}"))
+            }
+            "--docs" => docs_mode = Some(false),
+            "--check" => docs_mode = Some(true),
+            "--root" => root = Some(it.next().ok_or("--root needs a value")?.into()),
             "-h" | "--help" => {
                 println!("{USAGE}");
                 return Ok(());
@@ -326,10 +347,17 @@ pub fn run(args: &[String]) -> Result<(), String> {
             s => return Err(format!("unexpected argument {s}\n{USAGE}")),
         }
     }
+    if let Some(check) = docs_mode {
+        if input.is_some() || out_dir.is_some() {
+            return Err(format!("--docs and --check read docs/results/SUITES: no results file or --out-dir\n{USAGE}"));
+        }
+        return docs::run(&root.unwrap_or_else(repo_root), check);
+    }
+    if root.is_some() {
+        return Err(format!("--root goes with --docs or --check\n{USAGE}"));
+    }
     let input = input.ok_or(USAGE)?;
-    // The default is docs/bench of this repository (xtask's parent directory), wherever it runs from.
-    let out_dir =
-        out_dir.unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap_or(Path::new(".")).join("docs").join("bench"));
+    let out_dir = out_dir.unwrap_or_else(|| repo_root().join("docs").join("bench"));
 
     let text = std::fs::read_to_string(&input).map_err(|e| format!("cannot read {}: {e}", input.display()))?;
     let all = parse(&text).map_err(|e| format!("{}: {e}", input.display()))?;
