@@ -133,18 +133,18 @@ pub const TMA_STORE_BYTES: usize = 2 * 2 * 64 * 64 * 2;
 /// swizzle needs.
 pub const TMA_STORE_GAP: usize = 1024;
 
-const fn tc(bm: u16, bn: u16, bk: u16, stages: u8, warps_m: u8, warps_n: u8) -> TileConfig {
+pub(crate) const fn tc(bm: u16, bn: u16, bk: u16, stages: u8, warps_m: u8, warps_n: u8) -> TileConfig {
     TileConfig { bm, bn, bk, stages, warps_m, warps_n, mainloop: Mainloop::MmaSync }
 }
 
 /// An sm90 config: two consumer warpgroups (128 rows) and the producer warpgroup, `bn` columns
 /// (128 or 256), `stages` 64-deep stages.
-const fn tw(bn: u16, stages: u8) -> TileConfig {
+pub(crate) const fn tw(bn: u16, stages: u8) -> TileConfig {
     TileConfig { bm: 128, bn, bk: 64, stages, warps_m: 8, warps_n: 1, mainloop: Mainloop::Sm90 { store: Store::Registers } }
 }
 
 /// An sm90 d-logits or `dh` config whose epilogue writes through shared memory by TMA.
-const fn ts(bn: u16, stages: u8) -> TileConfig {
+pub(crate) const fn ts(bn: u16, stages: u8) -> TileConfig {
     TileConfig { mainloop: Mainloop::Sm90 { store: Store::Tma }, ..tw(bn, stages) }
 }
 
