@@ -1,10 +1,13 @@
-//! Helpers for tests and benchmarks: poisoning buffers, uploading generated cases.
+//! Helpers for tests and benchmarks: poisoning buffers, uploading generated cases, and the
+//! launch plans' measurement overrides (which only a bench or a test sets).
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut, DeviceRepr};
 
 use crate::error::{Context as _, Error, Result};
+#[cfg(feature = "testing")]
+pub use crate::plan::overrides::{set_plan_overrides, PlanOverrides, PLAN_OVERRIDE_VARS};
 
 /// Fill a buffer with 0xFF bytes: NaN as f32 and as bf16, −1 as integers. An element a kernel
 /// fails to write stays NaN and fails the checks.
