@@ -1,11 +1,15 @@
 //! Every kernel at tail shapes for compute-sanitizer (the `sanitizer_*` test), and tuning that
 //! runs on the library's own scratch buffers only.
 
+use lmhead::tune::cache::Cache;
+use lmhead::tune::Policy;
+
 use super::*;
 
 /// Small tail shapes through every compiled kernel, for compute-sanitizer (memcheck, racecheck,
 /// initcheck, synccheck): every forward and backward candidate, the merges, the tensor-parallel
-/// steps, the cast and the naive kernel, and one autotuning pass (which launches every candidate).
+/// steps, the cast and the naive kernel, and one exhaustive tuning pass (which launches every
+/// candidate).
 #[test]
 fn sanitizer_every_kernel_at_tail_shapes() {
     let Some((head, stream)) = gpu_or_skip("gpu_reliability::sanitizer") else { return };
@@ -105,7 +109,7 @@ fn sanitizer_every_kernel_at_tail_shapes() {
                 };
                 let bo = BwdOptions { chunk: Some(64), config: BwdConfigs::all(Choice::Fallback), ..Default::default() };
                 head.backward_tp(
-                    lmhead::TpBackward { comm, shard, reduce: lmhead::ReduceDh::AllReduce },
+                    lmhead::tp::TpBackward { comm, shard, reduce: lmhead::tp::ReduceDh::AllReduce },
                     &stream,
                     &bx,
                     &bo,
@@ -117,7 +121,8 @@ fn sanitizer_every_kernel_at_tail_shapes() {
             });
         }
     });
-    // Naive kernel, and one autotuning pass over every forward candidate (cache kept in memory).
+    // Naive kernel, and one exhaustive tuning pass over every forward candidate (cache kept in
+    // memory).
     let s = setup(&stream, 9, 300, 64, 3);
     let (r, _, _) = fwd_raw(
         &head,
@@ -127,7 +132,7 @@ fn sanitizer_every_kernel_at_tail_shapes() {
         9,
     );
     r.unwrap();
-    let tuner = lmhead::Tuner::new(true, Some(head.gpu().info().clone()), lmhead::tune::cache::Cache::open(None, "sanitizer"));
+    let tuner = lmhead::Tuner::new(Policy::Exhaustive, Some(head.gpu().info().clone()), Cache::open(None, "sanitizer"));
     let tuned = LmHead::with_tuner(head.gpu().clone(), tuner);
     let (r, _, _) = fwd_raw(
         &tuned,
@@ -148,7 +153,7 @@ fn sanitizer_every_kernel_at_tail_shapes() {
 fn tuning_never_touches_caller_buffers_and_agrees_with_fallback() {
     let test = "gpu_reliability::tuning";
     let Some((plain, stream)) = gpu_or_skip(test) else { return };
-    let tuner = lmhead::Tuner::new(true, Some(plain.gpu().info().clone()), lmhead::tune::cache::Cache::open(None, "tuning-test"));
+    let tuner = lmhead::Tuner::new(Policy::Shortlist, Some(plain.gpu().info().clone()), Cache::open(None, "tuning-test"));
     let head = LmHead::with_tuner(plain.gpu().clone(), tuner);
     let (t, v, d) = (1000, 5003, 512);
     let s = setup(&stream, t, v, d, run_seed(test));
@@ -182,7 +187,7 @@ fn tuning_never_touches_caller_buffers_and_agrees_with_fallback() {
     head.forward(&stream, &x, &fb, FwdOutputs { logprob: &mut lp2, lse: &mut lse2, entropy: Some(&mut ent2) }).unwrap();
     let (a, b) = (download_f32(&stream, &lp).unwrap(), download_f32(&stream, &lp2).unwrap());
     let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f64, f64::max);
-    assert!(worst < 1e-4, "tuned {:?} vs fallback log-probs differ by {worst}", r.config);
+    assert!(worst < 1e-4, "tuned {:?} vs fallback log-probs differ by {worst}", r.kernel);
     let (a, b) = (download_f32(&stream, &ent).unwrap(), download_f32(&stream, &ent2).unwrap());
     let worst_ent = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f64, f64::max);
     assert!(worst_ent < 1e-4, "tuned vs fallback entropy differ by {worst_ent}");
@@ -213,6 +218,6 @@ fn tuning_never_touches_caller_buffers_and_agrees_with_fallback() {
     check_rel_l2("dW tuned vs fallback", test, &dw_t, &dw_f, 3e-3);
     println!(
         "[{test}] rel tuned configs fwd {:?} bwd {:?}/{:?}/{:?}: |Δ logprob| ≤ {worst:.1e}, |Δ entropy| ≤ {worst_ent:.1e} vs fallback; caller buffers untouched by tuning",
-        r.config, rep.dlogits, rep.dh, rep.dw
+        r.kernel, rep.dlogits, rep.dh, rep.dw
     );
 }
