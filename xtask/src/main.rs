@@ -16,13 +16,13 @@
 //! - `bench-report <results.jsonl> [--out-dir DIR]`: turn `lmhead-bench` JSON lines into a
 //!   markdown report (tables, autotuned vs fallback summary) and PNG plots, by default in
 //!   `docs/bench/` (see `report.rs`). Needs no GPU.
-//! - `tune-table <tune-table.jsonl>... [--out FILE] [--report FILE]`: merge `lmhead-bench
-//!   tune-table` records into the shipped table of tuned configs (`host/tuned/`) and report the
-//!   autotuned picks against the best fixed configs (see `tune_table.rs`). Needs no GPU.
+//! - `heuristics <records.jsonl>...`: the launch rules (`lmhead_core::heuristics`) against
+//!   exhaustive trial records (`lmhead-bench exhaustive`) and forced-plan records (`run-gpu.sh
+//!   plans`): how close each rule comes to the fastest candidate and plan (see `heuristics.rs`).
+//!   Needs no GPU.
 
+mod heuristics;
 mod report;
-mod table_plans;
-mod tune_table;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -173,9 +173,8 @@ fn main() -> ExitCode {
         Some("bench") => status(cargo().current_dir(root()).args(["run", "--release", "-p", "lmhead-bench", "--"]).args(&args[1..])),
         Some("gpu-bundle") => bundle(),
         Some("bench-report") => report::run(&args[1..]),
-        Some("tune-table") => tune_table::run(&args[1..]),
-        Some("table-plans") => table_plans::run(&args[1..]),
-        _ => Err("usage: cargo xtask <setup|build-ptx|test|demo|bench|gpu-bundle|bench-report <results.jsonl> [--out-dir DIR]|tune-table <tune-table.jsonl>... [--out FILE] [--report FILE]|table-plans [--table FILE] [--margin M] [--replace] <records.jsonl>...>".into()),
+        Some("heuristics") => heuristics::run(&args[1..]),
+        _ => Err("usage: cargo xtask <setup|build-ptx|test|demo|bench|gpu-bundle|bench-report <results.jsonl> [--out-dir DIR]|heuristics <records.jsonl>...>".into()),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
