@@ -2,7 +2,8 @@
 //! instantiates exactly these entry points) and the host (which may choose only among them).
 //!
 //! A config is a value on the host and a set of const generics on the device. Each kernel family
-//! has a named fallback config (no `Default`): the one used when tuning is off.
+//! has a named fallback config (no `Default`): its portable `mma.sync` config, which every device
+//! runs. Which config a call runs is decided by the rules in [`crate::heuristics`].
 
 /// The tuned kernel families. Each (family, config) pair is one PTX entry point.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -53,7 +54,8 @@ impl Family {
         }
     }
 
-    /// The config used when tuning is off (`LMHEAD_AUTOTUNE=0`) or has not run.
+    /// The family's portable config (index 0 of its candidates): what `Choice::Fallback` runs,
+    /// and the rules' answer where nothing else fits the device.
     pub const fn fallback(self) -> TileConfig {
         self.candidates()[0]
     }
