@@ -237,7 +237,9 @@ impl LmHead {
     /// Tune ahead of time: for each distinct token bucket among `token_counts`, run the forward
     /// (with or without entropy) and, if `backward`, the backward once on scratch inputs of that
     /// shape (random bf16, labels in range), so that later calls with those counts find their
-    /// configs in the cache. Nothing of the caller's is read or written.
+    /// configs in the cache (where tuning is on) and their kernels loaded. Nothing of the
+    /// caller's is read or written. Warm up before capturing calls into a CUDA graph: a captured
+    /// call never times anything, so a bucket first met under capture runs the rules' pick.
     pub fn warm_up(&self, token_counts: &[usize], v: usize, d: usize, entropy: bool, backward: bool) -> Result<()> {
         validate::warm_up(token_counts, v, d)?;
         let stream = self.gpu.context().default_stream();

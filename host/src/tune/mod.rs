@@ -212,6 +212,13 @@ impl Tuner {
     /// tuning.
     pub fn from_env(device: &DeviceInfo) -> Self {
         let policy = Policy::for_device(device, std::env::var("LMHEAD_AUTOTUNE").ok().as_deref());
+        for gone in ["LMHEAD_TUNE", "LMHEAD_BWD_OVERLAP"] {
+            if std::env::var_os(gone).is_some() {
+                eprintln!(
+                    "lmhead: warning: {gone} is no longer read (exhaustive tuning is `lmhead-bench exhaustive`'s; dW beside dh is BwdOptions::dw_beside_dh)"
+                );
+            }
+        }
         let path = cache::default_path(&device.fingerprint());
         let verbose = std::env::var("LMHEAD_TUNE_VERBOSE").map(|v| v != "0").unwrap_or(false);
         let mut t = Self::new(policy, Some(device.clone()), cache::Cache::open(path, &device.fingerprint()));
