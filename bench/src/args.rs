@@ -27,7 +27,7 @@ pub struct Args {
     /// Time the forwards with the label check on.
     pub check_labels: bool,
     /// Each round times cuBLAS and the fused operations in an order of its own
-    /// ([`RoundOrders`]); `--fixed-order` turns it off (always cuBLAS,
+    /// ([`crate::rounds::RoundOrders`]); `--fixed-order` turns it off (always cuBLAS,
     /// then each head's forward, entropy and step), as the records before 2026-12-01 were
     /// measured.
     pub balanced: bool,

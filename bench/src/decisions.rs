@@ -14,7 +14,7 @@
 //! - **`dW` config**: the rule takes n256 s4 everywhere (`sm90::DW`);
 //! - **forward plans**: the rule reproduces every plan the table held for the config it runs,
 //!   and takes the measured split count at a few keys the table held none for (listed in
-//!   [`tests::PLAN_CHANGES`]).
+//!   `tests::PLAN_CHANGES`).
 //!
 //! The d-logits' configs and the chunk widths are unchanged.
 
