@@ -1,5 +1,6 @@
-//! Every kernel at tail shapes for compute-sanitizer (the `sanitizer_*` test), and tuning that
-//! runs on the library's own scratch buffers only.
+//! Every kernel at tail shapes for compute-sanitizer (the `sanitizer_*` test), tuning that runs
+//! on the library's own scratch buffers only, and the check that keeps tuning off a stream being
+//! captured into a CUDA graph.
 
 use lmhead::tune::cache::Cache;
 use lmhead::tune::Policy;
@@ -220,4 +221,24 @@ fn tuning_never_touches_caller_buffers_and_agrees_with_fallback() {
         "[{test}] rel tuned configs fwd {:?} bwd {:?}/{:?}/{:?}: |Δ logprob| ≤ {worst:.1e}, |Δ entropy| ≤ {worst_ent:.1e} vs fallback; caller buffers untouched by tuning",
         r.kernel, rep.dlogits, rep.dh, rep.dw
     );
+}
+
+/// The check that keeps tuning trials off a stream being captured into a CUDA graph (a trial
+/// queued there would be recorded, not run, and its timing read back would fail the capture):
+/// false on a fresh stream, true between the capture's begin and end, false again after.
+#[test]
+fn a_stream_being_captured_is_seen_as_captured() {
+    use lmhead::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    use lmhead::testing::stream_capturing;
+    let test = "gpu_reliability::capture";
+    let Some((head, _)) = gpu_or_skip(test) else { return };
+    let stream = head.context().new_stream().unwrap();
+    assert!(!stream_capturing(&stream).unwrap(), "a fresh stream is not being captured");
+    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).unwrap();
+    let during = stream_capturing(&stream);
+    let ended = stream.end_capture(CUgraphInstantiate_flags(0));
+    assert!(during.unwrap(), "between begin and end of a capture the stream is being captured");
+    ended.unwrap();
+    assert!(!stream_capturing(&stream).unwrap(), "after the capture ended it is not");
+    println!("[{test}] capture seen as such: before false, during true, after false");
 }

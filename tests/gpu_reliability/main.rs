@@ -6,7 +6,8 @@
 //! Files by concern: `bad_inputs` (typed errors with untouched buffers, foreign contexts, bad
 //! calls refused before tuning on a cold cache), `limits` (NaN confinement, out-of-memory,
 //! 64-bit indexing), `isolation` (the sanitizer pass over every kernel, tuning that never touches
-//! the caller's buffers); here, the setup they share.
+//! the caller's buffers, the stream-capture check that keeps trials off a captured stream); here,
+//! the setup they share.
 
 mod bad_inputs;
 mod isolation;
