@@ -248,7 +248,7 @@ impl LmHead {
         // The configs are tuned (and looked up) at the nominal width, the tuning keys' (so that
         // the vocabularies of one model's shards share keys); the automatic width is then
         // spread evenly over the chunks it needs.
-        let nominal = opts.chunk.unwrap_or_else(|| heuristics::chunk_width(p.t, p.d)).min(p.v);
+        let nominal = opts.chunk.map_or_else(|| heuristics::nominal_chunk(p), |c| c.min(p.v));
         let tp = x.x.sc.v_begin != 0 || reduce_dh.is_some();
         let (cfg_dl, cfg_dh, cfg_dw) = self.bwd_configs(stream, opts.configs(), nominal, tp, x, dw.is_some())?;
         let chunk = match opts.chunk {

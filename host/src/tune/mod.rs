@@ -265,10 +265,9 @@ impl Tuner {
     /// The config a call takes untimed: the rule's pick where its kernel loads, else the portable
     /// rules' pick, else the family's fallback.
     pub fn heuristic(&self, family: Family, p: Problem) -> TileConfig {
-        [heuristics::config(family, p, &self.limits), heuristics::config(family, p, &self.limits.portable())]
-            .into_iter()
-            .find(|&c| self.loads(family, c))
-            .unwrap_or_else(|| family.fallback())
+        let own = std::iter::once_with(|| heuristics::config(family, p, &self.limits));
+        let portable = std::iter::once_with(|| heuristics::config(family, p, &self.limits.portable()));
+        own.chain(portable).find(|&c| self.loads(family, c)).unwrap_or_else(|| family.fallback())
     }
 
     /// The cached record of `key`, if any.

@@ -235,12 +235,21 @@ pub const fn balanced_chunk(v: usize, width: usize) -> usize {
     }
 }
 
-/// The chunk width a backward of `p` runs with when the caller gives none: [`chunk_width`],
-/// at most `v`, spread by [`balanced_chunk`].
+/// The nominal chunk width of a backward of `p`: [`chunk_width`], at most `v` (the width its
+/// configs are chosen and tuned at).
+pub const fn nominal_chunk(p: Problem) -> usize {
+    let width = chunk_width(p.t, p.d);
+    if width < p.v {
+        width
+    } else {
+        p.v
+    }
+}
+
+/// The chunk width a backward of `p` runs with when the caller gives none: [`nominal_chunk`]
+/// spread by [`balanced_chunk`].
 pub const fn chunk(p: Problem) -> usize {
-    let nominal = chunk_width(p.t, p.d);
-    let nominal = if nominal < p.v { nominal } else { p.v };
-    balanced_chunk(p.v, nominal)
+    balanced_chunk(p.v, nominal_chunk(p))
 }
 
 /// Whether each chunk's `dW` GEMM runs on a side stream beside its `dh` GEMM (the default of
@@ -305,9 +314,7 @@ pub fn decide(p: Problem, dev: &Device) -> Decisions {
         let plan = with_fill(config, fwd_plan(config, p, dev, slots), m_tiles, n_tiles, slots, p.d);
         FwdDecision { config, plan }
     };
-    let nominal = chunk_width(p.t, p.d);
-    let nominal = if nominal < p.v { nominal } else { p.v };
-    let keyed = Problem::new(p.t, nominal, p.d);
+    let keyed = Problem::new(p.t, nominal_chunk(p), p.d);
     let chunk = chunk(p);
     Decisions {
         fwd: fwd(Family::Fwd),
