@@ -2,7 +2,7 @@
 # Runs on the GPU machine (no Rust there): the bundled test and bench binaries from `.gpu/`
 # (built by `cargo xtask gpu-bundle`). Usage, from the repository root on that machine:
 #
-#   bash .gpu/run-gpu.sh [steps...]     steps: info tests fills quick sweep probe entropy tp tune-table sanitize ncu plans sass (default: info tests quick)
+#   bash .gpu/run-gpu.sh [steps...]     steps: info tests fills quick peers sweep probe entropy tp exhaustive sanitize ncu plans sass (default: info tests quick)
 #
 # Logs go to $OUT (or ./gpu-out when OUT is unset). Each step has a time limit so that one hung
 # step cannot eat the whole session. Set FILTER to pass a test-name filter to the test binaries,
@@ -53,7 +53,8 @@ for s in "${steps[@]}"; do
     fills)
       # Every Hopper plan forced to carry fillers (two vocab splits in raster groups of one token
       # tile and a one-tile filler each; one column group per backward block, one-tile fillers):
-      # the tile-boundary tests, then the sanitizers, on those plans.
+      # the tile-boundary tests, then the sanitizers, on those plans (the test binaries read the
+      # plan overrides from the environment; the library alone never does).
       (
         export LMHEAD_FWD_SPLITS=2 LMHEAD_FWD_RASTER=1 LMHEAD_FWD_FILL=1 LMHEAD_BWD_TILES=64 LMHEAD_BWD_RASTER=1 LMHEAD_BWD_FILL=1
         for t in gpu_fwd gpu_bwd; do
@@ -63,10 +64,11 @@ for s in "${steps[@]}"; do
         echo "== sanitizers (forced fillers)" | tee -a "$OUT/sanitize.log"
         run_sanitizers
       ) ;;
-    quick|sweep|entropy|probe|tp|tune-table)
+    quick|peers|sweep|entropy|probe|tp|exhaustive)
       echo "== bench $s"
-      # tp and tune-table records are other kinds: their own files.
-      res="$OUT/bench.jsonl"; [ "$s" = tp ] && res="$OUT/bench-tp.jsonl"; [ "$s" = tune-table ] && res="$OUT/tune-table.jsonl"
+      # tp and exhaustive records are other kinds: their own files (`cargo xtask heuristics`
+      # replays the rules against exhaustive ones).
+      res="$OUT/bench.jsonl"; [ "$s" = tp ] && res="$OUT/bench-tp.jsonl"; [ "$s" = exhaustive ] && res="$OUT/exhaustive.jsonl"
       timeout ${BENCH_TIMEOUT:-500} "$B/lmhead-bench" "$s" --out "$res" ${BUDGET:+--budget-s $BUDGET} ${BENCH_ARGS:-} 2>>"$OUT/bench.err" | tee -a "$OUT/bench-$s.md"
       tail -3 "$OUT/bench.err" ;;
     sanitize) run_sanitizers ;;
@@ -107,12 +109,14 @@ for s in "${steps[@]}"; do
       # its own, in the order planner, A, B, …, B, A, planner: `sweep --filter <case> --reps
       # ${PLAN_REPS:-3}` into $OUT/plans.jsonl, with the check of the timed log-probs against
       # the f64 reference (a plan that fails it leaves no record; each record names its plan,
-      # `fwd_plan`, and the forced ones their `plan_overrides`; `cargo xtask table-plans` reads
-      # them). A variant `chunk=<N>` instead times the library's plans with the backward's vocab
-      # chunk forced to N columns (`--bwd-chunk N`; records carry `bwd_chunk`) against the
-      # library's own chunk; a variant `LMHEAD_<NAME>=<value>[,LMHEAD_<NAME>=<value>…]` runs the
-      # library with those variables set (e.g. LMHEAD_BWD_OVERLAP=0). BUDGET: stop before a case
-      # once that many seconds are spent.
+      # `fwd_plan`, and the forced ones their `plan_overrides`; `cargo xtask heuristics` compares
+      # the rules' plans with them). A variant `chunk=<N>` instead times the library's plans with
+      # the backward's vocab chunk forced to N columns (`--bwd-chunk N`; records carry
+      # `bwd_chunk`) against the library's own chunk; `dw-after-dh` the backward with `dW` after
+      # `dh` on the call's stream (`--dw-after-dh`; records carry `dw_after_dh`); a variant
+      # `LMHEAD_<NAME>=<value>[,LMHEAD_<NAME>=<value>…]` runs the bench with those plan overrides
+      # set (e.g. LMHEAD_BWD_TILES=2). BUDGET: stop before a case once that many seconds are
+      # spent.
       while read -r c vars; do
         [ -z "${c:-}" ] && continue
         if [ -n "${BUDGET:-}" ] && [ $(( $(date +%s) - t0 )) -ge "$BUDGET" ]; then
@@ -127,6 +131,7 @@ for s in "${steps[@]}"; do
           case "$p" in
             planner) ;;
             chunk=*) args=(--bwd-chunk "${p#chunk=}") ;;
+            dw-after-dh) args=(--dw-after-dh) ;;
             LMHEAD_*=*) IFS=, read -ra kv <<< "$p"; env=(env "${kv[@]}") ;;
             *) env=(env "LMHEAD_FWD_SPLITS=${p%x*}" "LMHEAD_FWD_RASTER=${p#*x}") ;;
           esac

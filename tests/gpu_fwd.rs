@@ -151,7 +151,7 @@ fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &FwdCase, seed: u64) -> (Stri
         c.v,
         c.d,
         c.entropy as u8,
-        report.config.map(|x| lmhead_core::config::kernel_name(if c.entropy { Family::FwdEnt } else { Family::Fwd }, x)).unwrap_or_else(|| "naive".into()),
+        report.kernel.as_deref().unwrap_or("naive"),
         report.n_splits,
         report.fill,
         rows.len(),

@@ -15,10 +15,8 @@ use std::sync::Arc;
 
 use lmhead::cudarc::driver::{CudaSlice, CudaStream};
 use lmhead::testing::{download_f32, poison, upload, upload_bf16};
-use lmhead::{
-    BwdConfigs, BwdInputs, BwdOptions, Choice, Communicator, FwdInputs, FwdOptions, FwdOutputs, GradOut, LmHead, LocalComm, Problem,
-    ReduceDh, Shard,
-};
+use lmhead::tp::{Communicator, LocalComm, ReduceDh, Shard, TpBackward};
+use lmhead::{BwdConfigs, BwdInputs, BwdOptions, Choice, FwdInputs, FwdOptions, FwdOutputs, GradOut, LmHead, Problem};
 use lmhead_reference::{forward, Case, Structure};
 use lmhead_tests::{check, check_rel_l2, gpu_or_skip, run_seed};
 
@@ -95,14 +93,9 @@ fn run_rank(
         _ => BwdOptions { config: BwdConfigs::all(config), ..Default::default() },
     };
     match comm {
-        Some(c) => head.backward_tp(
-            lmhead::TpBackward { comm: c, shard, reduce },
-            stream,
-            &bx,
-            &bo,
-            GradOut::F32(&mut dh),
-            Some(GradOut::F32(&mut dw)),
-        ),
+        Some(c) => {
+            head.backward_tp(TpBackward { comm: c, shard, reduce }, stream, &bx, &bo, GradOut::F32(&mut dh), Some(GradOut::F32(&mut dw)))
+        }
         None => head.backward(stream, &bx, &bo, GradOut::F32(&mut dh), Some(GradOut::F32(&mut dw))),
     }
     .unwrap();

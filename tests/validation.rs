@@ -6,8 +6,9 @@
 
 use lmhead::cpu::{self, HostComm};
 use lmhead::tp::ReduceOp;
+use lmhead::tp::Shard;
 use lmhead::validate::{self, Buf, BwdCall, FwdCall};
-use lmhead::{bf16, BwdConfigs, BwdOptions, Choice, Error, Family, FwdOptions, Problem, Shard};
+use lmhead::{bf16, BwdConfigs, BwdOptions, Choice, Error, Family, FwdOptions, Problem};
 
 const T: usize = 33;
 const V: usize = 257;

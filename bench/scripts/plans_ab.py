@@ -4,10 +4,11 @@ own runs and each variant's (a forced forward plan, a forced chunk width, enviro
 
     python3 bench/scripts/plans_ab.py [--min-step-ms MS] plans.jsonl [more.jsonl ...] > ab.md
 
-A record's variant is named by its `plan_overrides` (`LMHEAD_` left out, sorted) and its
-`bwd_chunk`; a record with neither is the library's. Per case and variant: the number of runs,
-the forward, the forward with entropy and forward+backward as × the cuBLAS GEMM of the same run
-(each the median over the variant's runs of `p50 / gemm p50`), the step's median time in ms, and
+A record's variant is named by its `plan_overrides` (`LMHEAD_` left out, sorted), its
+`bwd_chunk` and its `dw_after_dh`; a record with none of them is the library's. Per case and
+variant: the number of runs, the forward, the forward with entropy and forward+backward as × the
+cuBLAS GEMM of the same run (each the median over the variant's runs of `p50 / gemm p50`), the
+step's median time in ms, and
 against the library's runs of that case: the step's change in × GEMM and in time. Then per variant
 name, over the cases that ran it: the median and range of those two changes and how many cases
 the variant's step was faster in time. The × GEMM change is the bench's measure; the time change
@@ -25,6 +26,8 @@ def variant(rec):
     parts = [f"{k.removeprefix('LMHEAD_')}={v}" for k, v in sorted(ov.items())]
     if "bwd_chunk" in rec:
         parts.append(f"chunk={rec['bwd_chunk']}")
+    if rec.get("dw_after_dh"):
+        parts.append("dw-after-dh")
     return ",".join(parts) or "library"
 
 

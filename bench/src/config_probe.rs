@@ -108,8 +108,8 @@ fn probe(head: &LmHead, stream: &Arc<CudaStream>, args: &Args, (t, v, d): (usize
     let mut fwd_labels = Vec::new();
     for (label, f, c) in &fwd {
         let r = forward(head, stream, &x, (*f, *c), &mut lp, &mut lse, &mut ent)?;
-        fwd_labels.push(match (c, r.config) {
-            (Choice::Auto, Some(cfg)) => format!("{label}: {} splits {} fill {}", cfg.suffix(*f), r.n_splits, r.fill),
+        fwd_labels.push(match (c, r.kernel) {
+            (Choice::Auto, Some(k)) => format!("{label}: {} splits {} fill {}", crate::measure::config_of(&k, *f), r.n_splits, r.fill),
             _ => format!("{label}: splits {} fill {}", r.n_splits, r.fill),
         });
     }

@@ -34,9 +34,9 @@ fn gpu_demo(head: &LmHead) -> Result<(), String> {
         .map_err(e)?;
     stream.synchronize().unwrap();
     println!(
-        "forward t={t} v={v} d={d}: {:.1} ms wall (first call: kernel JIT and autotuning included), config {:?}",
+        "forward t={t} v={v} d={d}: {:.1} ms wall (first call: kernel loading and any tuning included), kernel {}",
         t0.elapsed().as_secs_f64() * 1e3,
-        rep.config
+        rep.kernel.as_deref().unwrap_or("naive")
     );
     let gl = lmhead::testing::upload(&stream, &vec![1.0f32; t]).map_err(e)?;
     let mut dh: CudaSlice<bf16> = stream.alloc_zeros(t * d).unwrap();

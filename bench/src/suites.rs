@@ -1,5 +1,6 @@
-//! The benchmark suites: `quick` (a handful of shapes, < 2 minutes of GPU time), `sweep` (public
-//! LM-head configurations × token counts × every (TP, CP) with TP·CP ≤ 8, as rank-local shapes),
+//! The benchmark suites: `quick` (a handful of shapes, < 2 minutes of GPU time), `peers` (the seven
+//! shapes of the comparison with the public fused LM-head kernels), `sweep` (public LM-head
+//! configurations × token counts × every (TP, CP) with TP·CP ≤ 8, as rank-local shapes),
 //! `entropy` (with vs without entropy) and `probe` (the autotuner's cold/warm costs).
 
 use std::sync::Arc;
@@ -18,11 +19,23 @@ pub const MODELS: &[(&str, usize, usize)] = &[
     ("h8192-v131072", 8192, 131_072),
 ];
 
+/// The peers' seven shapes: (name, tokens, hidden D, local vocab V).
+pub const PEERS: &[(&str, usize, usize, usize)] = &[
+    ("qwen7b-like", 8192, 4096, 151_936),
+    ("qwen14b-like", 16_384, 5120, 152_064),
+    ("nemotron-like", 8192, 8192, 131_072),
+    ("llama2-7b-like", 4096, 4096, 32_000),
+    ("qwen-tp8-slice", 32_768, 4096, 18_992),
+    ("skyrl-q3.6-35b-tp4", 32_768, 2048, 62_080),
+    ("skyrl-q3.6-35b-tp1", 32_768, 2048, 248_320),
+];
+
 /// Total token counts of the sweep.
 pub const TOKENS: &[usize] = &[16_384, 32_768, 65_536, 131_072, 262_144];
 
 pub enum Suite {
     Quick,
+    Peers,
     Sweep,
     Entropy,
     Probe,
@@ -32,6 +45,7 @@ impl Suite {
     pub fn named(s: &str) -> Option<Self> {
         Some(match s {
             "quick" => Suite::Quick,
+            "peers" => Suite::Peers,
             "sweep" => Suite::Sweep,
             "entropy" => Suite::Entropy,
             "probe" => Suite::Probe,
@@ -53,6 +67,10 @@ impl Suite {
                 case("h8192-v131072", 8192, 8192, 131_072, 1, 1, true),
                 case("qwen3.6-35b-a3b", 16_384, 2048, 248_320, 1, 1, false),
             ],
+            // The seven shapes at which lmhead is compared with the public fused LM-head kernels
+            // (Liger-Kernel's CuTe-DSL SM90 kernel, Liger's Triton FLCE, Cut Cross-Entropy,
+            // SkyRL/verl's Triton kernel, torch eager): t × d × local v.
+            Suite::Peers => PEERS.iter().map(|&(m, t, d, v)| case(m, t, d, v, 1, 1, true)).collect(),
             Suite::Entropy => MODELS.iter().map(|&(m, d, v)| case(m, 8192, d, v, 1, 1, false)).collect(),
             Suite::Sweep => {
                 let mut out = Vec::new();
@@ -94,8 +112,9 @@ fn case(model: &str, tokens: usize, d: usize, v: usize, tp: usize, cp: usize, ba
 /// The autotune probe, per public LM head of [`MODELS`] (each with its own empty cache): a cold
 /// first call in a new bucket (forward with entropy and backward: six tuned families), an
 /// exact-length neighbour in the same bucket, a call in the next bucket (retune), and a fresh
-/// process with the cache on disk (no tuning). Prints wall times and, per tuned family, the
-/// seconds its tuning took and how (`table`: the shipped table's pick, no trials; `N timed`).
+/// process with the cache on disk (no tuning), with tuning on (`LMHEAD_AUTOTUNE=1`, also where it
+/// is off by default). Prints wall times and, per tuned family, the seconds its tuning took and
+/// how (`rule`: the rule's pick, too large to time or alone on its short list; `N timed`).
 pub fn probe(head: &LmHead, _stream: &Arc<CudaStream>, args: &Args) {
     let _ = head;
     let dir = std::env::temp_dir().join(format!("lmhead-probe-{}", std::process::id()));
@@ -121,10 +140,8 @@ pub fn probe(head: &LmHead, _stream: &Arc<CudaStream>, args: &Args) {
                 .filter(|(k, _)| !before.contains(k))
                 .map(|(k, e)| {
                     let timed = e.timed();
-                    let fixed = e.candidates.iter().any(|(_, o)| matches!(o, lmhead::tune::Outcome::Fixed));
                     let how = match timed {
-                        0 if fixed => "fixed".to_string(),
-                        0 => "table".to_string(),
+                        0 => "rule".to_string(),
                         n => format!("{n} timed"),
                     };
                     (format!("{:?}", k.family), e.seconds, how)

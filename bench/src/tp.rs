@@ -19,11 +19,8 @@ use std::time::Instant;
 
 use lmhead::cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use lmhead::tp::Dev;
-use lmhead::tp::{NcclComm, ReduceOp};
-use lmhead::{
-    bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, Communicator, FwdInputs, FwdOptions, FwdOutputs, GradOut, LmHead, Problem, ReduceDh,
-    Shard,
-};
+use lmhead::tp::{Communicator, NcclComm, ReduceDh, ReduceOp, Shard, TpBackward};
+use lmhead::{bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, FwdInputs, FwdOptions, FwdOutputs, GradOut, LmHead, Problem};
 use lmhead_core::record::{Timing, TpRow};
 use lmhead_reference::rng::Rng;
 
@@ -78,8 +75,12 @@ impl Communicator for TimedComm<'_> {
         self.inner.size()
     }
     fn all_reduce(&self, stream: &Arc<CudaStream>, buf: &Dev, op: ReduceOp) -> lmhead::Result<()> {
-        let ev =
-            || stream.context().new_event(Some(crate::lmhead_timing_flags())).map_err(|e| lmhead::Error::Comm(format!("event: {e:?}")));
+        let ev = || {
+            stream
+                .context()
+                .new_event(Some(crate::measure::lmhead_timing_flags()))
+                .map_err(|e| lmhead::Error::Comm(format!("event: {e:?}")))
+        };
         let (a, b) = (ev()?, ev()?);
         a.record(stream).map_err(|e| lmhead::Error::Comm(format!("event: {e:?}")))?;
         self.inner.all_reduce(stream, buf, op)?;
@@ -171,7 +172,7 @@ fn run_rank(head: &LmHead, stream: &Arc<CudaStream>, r: &Rank, pb: &Problem0<'_>
             Op::Fused => fwd(tp.map(|_| &none as &dyn Communicator), ent_out(&mut lp2, &mut lse2, &mut ent)).map(drop),
             Op::FwdEnt | Op::FwdBwd => {
                 let r = fwd(tp, ent_out(&mut lp, &mut lse, &mut ent))?;
-                cfg = r.config.map(|c| c.suffix(lmhead::Family::FwdEnt)).unwrap_or_default();
+                cfg = r.kernel.as_deref().map(|k| crate::measure::config_of(k, lmhead::Family::FwdEnt)).unwrap_or_default();
                 if op == Op::FwdEnt {
                     return Ok(());
                 }
@@ -187,7 +188,7 @@ fn run_rank(head: &LmHead, stream: &Arc<CudaStream>, r: &Rank, pb: &Problem0<'_>
                 };
                 match tp {
                     Some(c) => head.backward_tp(
-                        lmhead::TpBackward { comm: c, shard, reduce: ReduceDh::AllReduce },
+                        TpBackward { comm: c, shard, reduce: ReduceDh::AllReduce },
                         stream,
                         &bx,
                         &bo,

@@ -2,7 +2,8 @@
 //! for `lmhead-bench` that only records how it was called: the cache-filling run, then the
 //! planner's plan and each forced plan in the order planner, A, B, B, A, planner, each with its
 //! own `LMHEAD_FWD_SPLITS` / `LMHEAD_FWD_RASTER` (or, for a `chunk=<N>` variant, `--bwd-chunk N`;
-//! for `LMHEAD_<NAME>=<value>,…`, those variables) and the log-prob check on. Needs `bash`; without it the test prints why it skips.
+//! for `dw-after-dh`, `--dw-after-dh`; for `LMHEAD_<NAME>=<value>,…`, those variables) and the
+//! log-prob check on. Needs `bash`; without it the test prints why it skips.
 
 use std::path::Path;
 use std::process::Command;
@@ -16,7 +17,7 @@ fn plans_step_runs_each_plan_in_mirrored_order() {
     std::fs::copy(&script, gpu.join("run-gpu.sh")).unwrap();
     let calls = dir.join("calls.txt");
     let fake = format!(
-        "#!/usr/bin/env bash\necho \"${{LMHEAD_BWD_OVERLAP:+overlap=$LMHEAD_BWD_OVERLAP }}${{LMHEAD_BWD_TILES:+tiles=$LMHEAD_BWD_TILES }}${{LMHEAD_FWD_SPLITS:--}}x${{LMHEAD_FWD_RASTER:--}} $*\" >> '{}'\n",
+        "#!/usr/bin/env bash\necho \"${{LMHEAD_BWD_FILL:+fill=$LMHEAD_BWD_FILL }}${{LMHEAD_BWD_TILES:+tiles=$LMHEAD_BWD_TILES }}${{LMHEAD_FWD_SPLITS:--}}x${{LMHEAD_FWD_RASTER:--}} $*\" >> '{}'\n",
         calls.display()
     );
     std::fs::write(gpu.join("lmhead-bench"), fake).unwrap();
@@ -28,7 +29,7 @@ fn plans_step_runs_each_plan_in_mirrored_order() {
     let cases = dir.join("plan-cases.txt");
     std::fs::write(
         &cases,
-        "llama-3.1-8b/tok128k/tp1cp1 8x17 12x11\n\nqwen2.5-14b/tok64k/tp4cp1 15x9\nqwen2.5-14b/tok64k/tp2cp1 chunk=8448 12x11\nllama-3.1-8b/tok16k/tp1cp1 LMHEAD_BWD_OVERLAP=0 LMHEAD_BWD_OVERLAP=1,LMHEAD_BWD_TILES=2\n",
+        "llama-3.1-8b/tok128k/tp1cp1 8x17 12x11\n\nqwen2.5-14b/tok64k/tp4cp1 15x9\nqwen2.5-14b/tok64k/tp2cp1 chunk=8448 12x11\nllama-3.1-8b/tok16k/tp1cp1 dw-after-dh LMHEAD_BWD_FILL=1,LMHEAD_BWD_TILES=2\n",
     )
     .unwrap();
     let run = Command::new("bash")
@@ -41,7 +42,7 @@ fn plans_step_runs_each_plan_in_mirrored_order() {
         .env_remove("LMHEAD_FWD_SPLITS")
         .env_remove("LMHEAD_FWD_RASTER")
         .env_remove("LMHEAD_BWD_TILES")
-        .env_remove("LMHEAD_BWD_OVERLAP")
+        .env_remove("LMHEAD_BWD_FILL")
         .env_remove("BUDGET")
         .output();
     let run = match run {
@@ -59,6 +60,7 @@ fn plans_step_runs_each_plan_in_mirrored_order() {
     let timed = |case: &str, plan: &str| format!("{plan} sweep --filter {case} --reps 3 --out {}", res.display());
     let fill = |case: &str| format!("-x- sweep --filter {case} --reps 1 --no-check --out /dev/null");
     let chunked = |case: &str, chunk: u32| format!("-x- sweep --filter {case} --reps 3 --bwd-chunk {chunk} --out {}", res.display());
+    let after = |case: &str| format!("-x- sweep --filter {case} --reps 3 --dw-after-dh --out {}", res.display());
     let (a, b, c, d) =
         ("llama-3.1-8b/tok128k/tp1cp1", "qwen2.5-14b/tok64k/tp4cp1", "qwen2.5-14b/tok64k/tp2cp1", "llama-3.1-8b/tok16k/tp1cp1");
     let want = [
@@ -83,10 +85,10 @@ fn plans_step_runs_each_plan_in_mirrored_order() {
         timed(c, "-x-"),
         fill(d),
         timed(d, "-x-"),
-        timed(d, "overlap=0 -x-"),
-        timed(d, "overlap=1 tiles=2 -x-"),
-        timed(d, "overlap=1 tiles=2 -x-"),
-        timed(d, "overlap=0 -x-"),
+        after(d),
+        timed(d, "fill=1 tiles=2 -x-"),
+        timed(d, "fill=1 tiles=2 -x-"),
+        after(d),
         timed(d, "-x-"),
     ];
     assert_eq!(got.lines().collect::<Vec<_>>(), want, "stdout:\n{stdout}");

@@ -57,8 +57,9 @@ pub struct Gpu {
     failed: Mutex<(HashMap<String, String>, Vec<Family>)>,
 }
 
-/// Where the kernels come from and how many of them load: what [`Gpu::kernel_report`] and
-/// `LmHead::kernel_report` answer, and what the demo and bench headers print.
+/// Where the kernels come from and how many of them load: what
+/// [`LmHead::kernel_report`](crate::LmHead::kernel_report) answers, and what the demo and bench
+/// headers print.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KernelReport {
     /// True when the kernels are the embedded sm_90a cubin (no JIT).

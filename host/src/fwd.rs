@@ -15,7 +15,7 @@ use lmhead_core::Problem;
 use crate::error::{Context as _, Error, Result};
 use crate::launch::{self, dev_in, dev_out, Dims, Labels, LogitsIn, MergeOuts, MergeRows, MergeStep, Scalars};
 use crate::tp::{Communicator, Shard};
-use crate::tune::{Choice, Mode, TuneKey};
+use crate::tune::{Choice, TuneKey};
 use crate::validate;
 use crate::workspace::zeros;
 use crate::{bf16, LabelType, LmHead};
@@ -36,7 +36,8 @@ pub struct FwdOutputs<'a> {
     pub entropy: Option<&'a mut dyn DevicePtrMut<f32>>,
 }
 
-/// Options of the forward (and backward) pass.
+/// Options of the forward pass. Build them with `..Default::default()`: with the `testing`
+/// feature (the workspace's tests and benches) they have fields of their own.
 #[derive(Clone, Debug)]
 pub struct FwdOptions {
     /// Logits are divided by this (finite, > 0). Default 1.
@@ -49,28 +50,56 @@ pub struct FwdOptions {
     /// rows come out NaN and the call succeeds. Default true.
     pub check_labels: bool,
     /// How the tile config is chosen. Default [`Choice::Auto`].
+    #[cfg(feature = "testing")]
     pub config: Choice,
     /// Run the level-00 kernel (no tensor cores) instead: a second GPU reference.
+    #[cfg(feature = "testing")]
     pub naive: bool,
 }
 
 impl Default for FwdOptions {
     fn default() -> Self {
-        Self { temperature: 1.0, ignore_index: lmhead_reference::IGNORE_INDEX, check_labels: true, config: Choice::Auto, naive: false }
+        Self {
+            temperature: 1.0,
+            ignore_index: lmhead_reference::IGNORE_INDEX,
+            check_labels: true,
+            #[cfg(feature = "testing")]
+            config: Choice::Auto,
+            #[cfg(feature = "testing")]
+            naive: false,
+        }
+    }
+}
+
+impl FwdOptions {
+    /// How the config is chosen: [`Choice::Auto`] unless a test says otherwise.
+    pub(crate) fn choice(&self) -> Choice {
+        #[cfg(feature = "testing")]
+        return self.config;
+        #[cfg(not(feature = "testing"))]
+        Choice::Auto
+    }
+
+    /// Whether the level-00 kernel runs instead (tests only).
+    pub(crate) fn naive(&self) -> bool {
+        #[cfg(feature = "testing")]
+        return self.naive;
+        #[cfg(not(feature = "testing"))]
+        false
     }
 }
 
 /// What a forward call did.
 #[derive(Clone, Debug, PartialEq)]
 pub struct FwdReport {
-    pub config: Option<TileConfig>,
+    /// The mainloop kernel that ran (its entry name, which spells its tile config, e.g.
+    /// `lm_head_fwd_t128_v256_d64_s3_w8x1_tma`); `None` for the naive path.
+    pub kernel: Option<String>,
     /// Vocab splits of the plan (0 for the naive path).
     pub n_splits: u32,
-    /// Token tiles per raster group of the launch order (0 = plain order; see
-    /// [`lmhead_core::split::raster`]).
+    /// Token tiles per raster group of the launch order (0 = plain order).
     pub raster_group: u32,
-    /// Tiles of every split that a filler block took (0 = no fillers; see
-    /// [`lmhead_core::split::with_fill`]).
+    /// Tiles of every split that a filler block took (0 = no fillers).
     pub fill: u32,
 }
 
@@ -150,12 +179,12 @@ impl LmHead {
         if opts.check_labels {
             self.check_labels(ws, stream, &labels, p.t, shard.v_total, opts.ignore_index)?;
         }
-        if opts.naive {
+        if opts.naive() {
             launch::naive_fwd(&self.gpu, stream, &x, &logprob, &lse, entropy.as_ref())?;
-            return Ok(FwdReport { config: None, n_splits: 0, raster_group: 0, fill: 0 });
+            return Ok(FwdReport { kernel: None, n_splits: 0, raster_group: 0, fill: 0 });
         }
         let family = if entropy.is_some() { Family::FwdEnt } else { Family::Fwd };
-        let cfg = self.fwd_config(stream, family, opts.config, p, &x, comm.is_some())?;
+        let cfg = self.fwd_config(stream, family, opts.choice(), p, &x, comm.is_some())?;
         let plan = self.plan_split(family, cfg, p)?;
         let plan = {
             let partials = ws.partials.get(&mut ws.src, stream, plan.blocks_per_row() as usize * p.t)?;
@@ -190,7 +219,12 @@ impl LmHead {
                 }
             }
         }
-        Ok(FwdReport { config: Some(cfg), n_splits: plan.n_splits, raster_group: plan.raster_group, fill: plan.fill })
+        Ok(FwdReport {
+            kernel: Some(lmhead_core::config::kernel_name(family, cfg)),
+            n_splits: plan.n_splits,
+            raster_group: plan.raster_group,
+            fill: plan.fill,
+        })
     }
 
     /// Check every label before anything of the forward runs (so a bad label writes nothing and
@@ -234,20 +268,14 @@ impl LmHead {
         Err(Error::BadLabel { row: (row < t).then_some(row), label })
     }
 
-    /// The vocab split and launch order for `cfg` on this device ([`crate::plan::fwd`]), with
-    /// the plan the tuning table measured for this key and config when it holds one and timed
-    /// these kernels.
+    /// The vocab split and launch order for `cfg` on this device ([`crate::plan::fwd`]).
     pub(crate) fn plan_split(&self, family: Family, cfg: TileConfig, p: Problem) -> Result<split::SplitPlan> {
-        let measured = self
-            .tuner
-            .table()
-            .filter(|(_, fit)| fit.exact_for(family))
-            .and_then(|(table, _)| table.plan(family, p, cfg).map(|e| (e.splits, e.raster)));
-        Ok(crate::plan::fwd(&self.gpu, self.slots(family, cfg)?, cfg, p, measured))
+        Ok(crate::plan::fwd(&self.gpu, self.slots(family, cfg)?, cfg, p))
     }
 
-    /// Choose the forward config (tuning on first use of a key when `choice` is `Auto`). Trials
-    /// write only the tuner's own scratch (partials and outputs), never the caller's buffers.
+    /// Choose the forward config (by the tuner's policy when `choice` is `Auto`). Trials run the
+    /// whole problem and write only the tuner's own scratch (partials and outputs), never the
+    /// caller's buffers.
     fn fwd_config(
         &self,
         stream: &Arc<CudaStream>,
@@ -259,16 +287,8 @@ impl LmHead {
     ) -> Result<TileConfig> {
         let key = TuneKey::new(family, p, tp);
         let sc = x.sc;
-        // Table mode: trials run on a slice, the first rows of h and of W (labels beyond the
-        // slice's vocabulary find no column, identically for every candidate). Exhaustive
-        // tuning (how the table is made) times the real shape.
-        let whole = p;
-        let p = if self.tuner.mode() == Mode::Table { trial_slice(p) } else { p };
-        let sliced = p != whole;
-        let (h, w) = (&x.h.sub(0, p.t * p.d, 2)?, &x.w.sub(0, p.v * p.d, 2)?);
-        let labels = &x.labels.rows(p.t)?;
-        let x = &LogitsIn { dims: Dims { t: p.t, v: p.v, d: p.d }, sc, h, w, labels };
-        self.tuner.pick_sliced(&key, choice, sliced, &mut |cfg| {
+        let can_time = self.can_time(stream, &[(&key, choice)], p.t, p.t * p.v * p.d)?;
+        self.tuner.pick(&key, choice, can_time, &mut |cfg| {
             let plan = self.plan_split(family, cfg, p)?;
             let n = plan.blocks_per_row() as usize;
             let mut partials = zeros::<crate::workspace::PartialRepr>(stream, n * p.t, "tuning partials")?;
@@ -303,37 +323,10 @@ impl LmHead {
     }
 }
 
-/// Largest forward trial, in multiply-adds `t·v·d`: about 3.5 ms of tensor-core time on an
-/// H200, so that a shortlist of three with a confirmation round stays well under 0.5 s.
+/// Largest trial, in multiply-adds (`t·v·d` of a forward, `t·chunk·d` of a backward kernel):
+/// about 3.5 ms of tensor-core time on an H200, so that a short list of three with a confirmation
+/// round costs each family at most ≈ 0.13 s of a cold call.
 pub(crate) const TRIAL_MACS: usize = 1 << 40;
 
-/// Rows a tuning trial runs (forward and backward).
+/// Most rows a trial runs (forward and backward): 256 tiles of 128 rows, two waves of 132 SMs.
 pub(crate) const TRIAL_ROWS: usize = 32_768;
-
-/// The shape a forward trial runs: `t` up to 32768 rows (256 tiles of 128 rows: two waves of
-/// 132 SMs, the steady state every candidate sees alike, since all tile 128 rows), and `v`
-/// cut to [`TRIAL_MACS`] (at least 8192 columns: 32–64 tiles per block, as at full size),
-/// rounded to whole 256-column tiles.
-pub(crate) fn trial_slice(p: Problem) -> Problem {
-    let t = p.t.min(TRIAL_ROWS);
-    let v = (TRIAL_MACS / (t * p.d).max(1)).max(8192).next_multiple_of(256).min(p.v);
-    Problem::new(t, v, p.d)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn trial_slices_cap_the_work_and_keep_small_shapes_whole() {
-        for (t, v, d) in [(1, 1, 8), (7, 3, 64), (4097, 50_257, 4096), (20_000, 248_320, 2048), (262_144, 131_072, 8192), (65_536, 8, 5120)]
-        {
-            let s = trial_slice(Problem::new(t, v, d));
-            assert_eq!(s.d, d);
-            assert!(s.t == t.min(TRIAL_ROWS) && s.v <= v && s.v > 0, "{s:?}");
-            assert!(s.v == v || s.v.is_multiple_of(256), "{s:?}");
-            assert!(s.v == v || s.t * s.v * s.d <= (TRIAL_MACS + s.t * 256 * s.d).max(s.t * 8192 * s.d), "{s:?}");
-        }
-        assert_eq!(trial_slice(Problem::new(4096, 32_000, 4096)).v, 32_000, "a small vocabulary is tried whole");
-    }
-}

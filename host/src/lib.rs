@@ -6,19 +6,26 @@
 //! never materialised: the forward folds each tensor-core tile into an online log-sum-exp, the
 //! backward recomputes tiles in vocab chunks.
 //!
-//! - [`LmHead`] runs the Rust-written kernels on an H100/H200 through `cudarc`.
+//! - [`LmHead`] runs the Rust-written kernels on an H100/H200 through `cudarc`:
+//!   [`LmHead::forward`] ([`FwdInputs`], [`FwdOptions`], [`FwdOutputs`] → [`FwdReport`]),
+//!   [`LmHead::backward`] ([`BwdInputs`], [`BwdOptions`], [`GradOut`] → [`BwdReport`]),
+//!   [`LmHead::warm_up`], and the scratch memory's source ([`ScratchAlloc`]).
 //! - [`cpu`] is the f64 reference, the backend on machines without a GPU.
 //! - [`tp`] adds vocab-parallel tensor parallelism (and documents context parallelism).
+//! - Buffers of other frameworks enter as [`Borrowed`] memory on a [`borrowed_stream`].
 //!
 //! Every call validates its shapes, lengths, alignment, options and (by default) labels, and
 //! answers bad input with an [`Error`], never a panic or a plausible wrong number.
 //!
-//! The public API is what this root re-exports, and the modules [`cpu`], [`tp`] and [`tune`].
-//! Everything else is internal. With the cargo feature `testing` (enabled by the workspace's
-//! tests and benches and by the Python bindings) the internals those need are public too:
-//! `launch` (the launches, for the unit-kernel tests), `ptx` (the embedded modules), `validate`
-//! (the checks, on plain descriptions) and `testing` (upload, download, poison); they are not
-//! part of the stable API.
+//! The launch decisions (tile configs, plans, chunk widths) are the rules of
+//! `lmhead_core::heuristics`; where they were not measured (any device but the H200) the
+//! library also times their short list on the first call of each token bucket and caches the
+//! winner (`LMHEAD_AUTOTUNE=0` / `1` turns that off / on anywhere).
+//!
+//! With the cargo feature `testing` (enabled by the workspace's tests and benches) the internals
+//! those need are public too: `launch`, `ptx`, `tune`, `validate`, `testing`, the configs
+//! (`TileConfig`, `Family`, `Mainloop`, `Store`, `Choice`, `BwdConfigs`), `Gpu`, `TokenBucket`,
+//! and the options' `config` and `naive` fields; they are not part of the stable API.
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
 /// Declares internal modules: public with the `testing` feature, crate-private without it (then
@@ -35,40 +42,54 @@ macro_rules! internal_mod {
 
 mod borrowed;
 mod bwd;
+mod capture;
 pub mod cpu;
+// `Gpu`'s helpers for the tests (registers, loaded kernels) are used only with `testing`.
+#[cfg_attr(not(feature = "testing"), allow(dead_code))]
 mod device;
 mod error;
 mod fwd;
 mod plan;
 pub mod tp;
-pub mod tune;
 mod workspace;
 
 internal_mod! {
     launch;
     ptx;
     testing;
+    tune;
     validate;
 }
 
 use std::sync::{Arc, Mutex};
 
+/// The CUDA driver bindings the API's streams and buffers come from (`CudaStream`,
+/// `DevicePtr`, `DevicePtrMut`, `CudaSlice`, `CudaContext`): the same version as the library's.
 pub use cudarc;
-pub use device::{driver_present, DeviceInfo, Gpu, KernelReport};
+pub use device::{driver_present, DeviceInfo, KernelReport};
 pub use error::{Error, Result};
 pub use half::bf16;
-pub use lmhead_core::config::{Mainloop, Store};
-pub use lmhead_core::{Family, Problem, TileConfig, TokenBucket};
+pub use lmhead_core::Problem;
 
 pub use borrowed::{borrowed_stream, Borrowed};
-pub use bwd::{
-    auto_chunk, balanced_chunk, BwdConfigs, BwdInputs, BwdOptions, BwdReport, GradOut, MAX_AUTO_CHUNK, MIN_AUTO_CHUNK, STAGING_BUDGET_BYTES,
-};
+pub use bwd::{BwdInputs, BwdOptions, BwdReport, GradOut};
 pub use fwd::{FwdInputs, FwdOptions, FwdOutputs, FwdReport};
-pub use plan::overrides::PLAN_OVERRIDE_VARS;
-pub use tp::{Communicator, LocalComm, ReduceDh, Shard, TpBackward};
-pub use tune::{Choice, Tuner};
 pub use workspace::ScratchAlloc;
+
+#[cfg(feature = "testing")]
+pub use bwd::BwdConfigs;
+#[cfg(feature = "testing")]
+pub use device::Gpu;
+#[cfg(not(feature = "testing"))]
+use device::Gpu;
+#[cfg(feature = "testing")]
+pub use lmhead_core::config::{Mainloop, Store};
+#[cfg(feature = "testing")]
+pub use lmhead_core::{Family, TileConfig, TokenBucket};
+#[cfg(not(feature = "testing"))]
+use tune::Tuner;
+#[cfg(feature = "testing")]
+pub use tune::{Choice, Tuner};
 
 /// Label element types the kernels read: `i32` and `i64`.
 pub trait LabelType: cudarc::driver::DeviceRepr + Copy + Into<i64> {
@@ -107,25 +128,52 @@ pub struct LmHead {
 }
 
 impl LmHead {
-    /// Open device `ordinal` with the default tuner (autotuning unless `LMHEAD_AUTOTUNE=0`,
-    /// cache in the user's cache directory unless `LMHEAD_TUNE_CACHE` names a file).
+    /// Open device `ordinal`. Tuning follows `LMHEAD_AUTOTUNE` (`0` off, `1` on; unset: off on
+    /// the H200, where the rules were measured, on elsewhere), its cache in the user's cache
+    /// directory unless `LMHEAD_TUNE_CACHE` names a file (or `off`: in memory only).
     pub fn new(ordinal: usize) -> Result<Self> {
         let gpu = Gpu::new(ordinal)?;
         Ok(Self::with_tuner(gpu.clone(), Tuner::from_env(gpu.info())))
     }
 
-    pub fn with_tuner(gpu: Arc<Gpu>, mut tuner: Tuner) -> Self {
+    /// The head on `gpu` with `tuner`.
+    #[cfg(feature = "testing")]
+    pub fn with_tuner(gpu: Arc<Gpu>, tuner: Tuner) -> Self {
+        Self::with_tuner_impl(gpu, tuner)
+    }
+
+    #[cfg(not(feature = "testing"))]
+    fn with_tuner(gpu: Arc<Gpu>, tuner: Tuner) -> Self {
+        Self::with_tuner_impl(gpu, tuner)
+    }
+
+    fn with_tuner_impl(gpu: Arc<Gpu>, mut tuner: Tuner) -> Self {
         let g = gpu.clone();
         tuner.set_loads(Arc::new(move |f, c| g.tuned_function(f, c).is_ok()));
         Self { gpu, tuner, ws: Mutex::new(workspace::Workspace::new()) }
     }
 
+    /// The device handle (kernels, limits).
+    #[cfg(feature = "testing")]
     pub fn gpu(&self) -> &Arc<Gpu> {
         &self.gpu
     }
 
+    /// The tuner (its policy and cache).
+    #[cfg(feature = "testing")]
     pub fn tuner(&self) -> &Tuner {
         &self.tuner
+    }
+
+    /// The CUDA context the head runs in: streams for its calls come from it
+    /// (`context().default_stream()`, `context().new_stream()`).
+    pub fn context(&self) -> &Arc<cudarc::driver::CudaContext> {
+        self.gpu.context()
+    }
+
+    /// The device: name, compute capability, SMs, shared memory, L2, driver.
+    pub fn device_info(&self) -> &DeviceInfo {
+        self.gpu.info()
     }
 
     /// Bytes of device memory the workspace holds now.
@@ -134,7 +182,7 @@ impl LmHead {
     }
 
     /// Where the kernels come from (cubin or JIT) and how many of each family load (loads them
-    /// all; see [`Gpu::kernel_report`]).
+    /// all).
     pub fn kernel_report(&self) -> KernelReport {
         self.gpu.kernel_report()
     }
@@ -158,13 +206,40 @@ impl LmHead {
     pub(crate) fn call_ws(&self) -> workspace::CallWs<'_> {
         workspace::CallWs(self.ws.lock().unwrap())
     }
+
+    /// Whether a call on `stream` may time trials of `rows` rows and `macs` multiply-adds for any
+    /// of `asks` (keys and how their configs are chosen): not while the stream is being captured
+    /// into a CUDA graph, and, under the short-list policy, only for at most [`fwd::TRIAL_ROWS`]
+    /// rows and [`fwd::TRIAL_MACS`] multiply-adds. The driver is asked only when some key may be
+    /// timed at all (tuning on, a config chosen automatically, the key not cached).
+    pub(crate) fn can_time(
+        &self,
+        stream: &cudarc::driver::CudaStream,
+        asks: &[(&tune::TuneKey, tune::Choice)],
+        rows: usize,
+        macs: usize,
+    ) -> Result<tune::CanTime> {
+        use tune::{CanTime, Policy};
+        let policy = self.tuner.policy();
+        let may_time = policy != Policy::Off && asks.iter().any(|&(k, c)| c == tune::Choice::Auto && self.tuner.entry(k).is_none());
+        if !may_time {
+            return Ok(CanTime::Yes);
+        }
+        if capture::capturing(stream)? {
+            return Ok(CanTime::Capturing);
+        }
+        let fits = rows <= fwd::TRIAL_ROWS && macs <= fwd::TRIAL_MACS;
+        Ok(if policy == Policy::Exhaustive || fits { CanTime::Yes } else { CanTime::TooLarge })
+    }
 }
 
 impl LmHead {
     /// Tune ahead of time: for each distinct token bucket among `token_counts`, run the forward
     /// (with or without entropy) and, if `backward`, the backward once on scratch inputs of that
     /// shape (random bf16, labels in range), so that later calls with those counts find their
-    /// configs in the cache. Nothing of the caller's is read or written.
+    /// configs in the cache (where tuning is on) and their kernels loaded. Nothing of the
+    /// caller's is read or written. Warm up before capturing calls into a CUDA graph: a captured
+    /// call never times anything, so a bucket first met under capture runs the rules' pick.
     pub fn warm_up(&self, token_counts: &[usize], v: usize, d: usize, entropy: bool, backward: bool) -> Result<()> {
         validate::warm_up(token_counts, v, d)?;
         let stream = self.gpu.context().default_stream();

@@ -1,10 +1,20 @@
-//! Helpers for tests and benchmarks: poisoning buffers, uploading generated cases.
+//! Helpers for tests and benchmarks: poisoning buffers, uploading generated cases, and the
+//! launch plans' measurement overrides (which only a bench or a test sets).
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtrMut, DeviceRepr};
 
 use crate::error::{Context as _, Error, Result};
+#[cfg(feature = "testing")]
+pub use crate::plan::overrides::{set_plan_overrides, PlanOverrides, PLAN_OVERRIDE_VARS};
+
+/// Whether `stream` is being captured into a CUDA graph, as the tuner asks before it times
+/// anything (`capture::capturing`).
+#[cfg(feature = "testing")]
+pub fn stream_capturing(stream: &CudaStream) -> Result<bool> {
+    crate::capture::capturing(stream)
+}
 
 /// Fill a buffer with 0xFF bytes: NaN as f32 and as bf16, −1 as integers. An element a kernel
 /// fails to write stays NaN and fails the checks.

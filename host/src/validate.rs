@@ -102,11 +102,11 @@ pub fn fwd(c: &FwdCall, opts: &FwdOptions) -> Result<f32> {
     p.check()?;
     c.shard.check(p.v)?;
     let inv_temp = temperature(opts.temperature)?;
-    if opts.naive && (c.tp || c.shard.v_begin != 0 || c.shard.v_total != p.v) {
+    if opts.naive() && (c.tp || c.shard.v_begin != 0 || c.shard.v_total != p.v) {
         return Err(Error::Invalid("the naive kernel has no tensor-parallel mode".into()));
     }
     let family = if c.entropy.is_some() { Family::FwdEnt } else { Family::Fwd };
-    check_choice(family, opts.config)?;
+    check_choice(family, opts.choice())?;
     inputs(p, &c.h, &c.w, &c.labels)?;
     c.logprob.exact(p.t, 4)?;
     c.lse.exact(p.t, 4)?;
@@ -155,9 +155,10 @@ pub fn bwd(c: &BwdCall, opts: &BwdOptions) -> Result<f32> {
         return Err(Error::Invalid("chunk width must be ≥ 1".into()));
     }
     let fam_dl = if c.grad_entropy.is_some() { Family::BwdDlogitsEnt } else { Family::BwdDlogits };
-    check_choice(fam_dl, opts.config.dlogits)?;
-    check_choice(Family::BwdDh, opts.config.dh)?;
-    check_choice(Family::BwdDw, opts.config.dw)?;
+    let configs = opts.configs();
+    check_choice(fam_dl, configs.dlogits)?;
+    check_choice(Family::BwdDh, configs.dh)?;
+    check_choice(Family::BwdDw, configs.dw)?;
     inputs(p, &c.h, &c.w, &c.labels)?;
     c.lse.exact(p.t, 4)?;
     for b in [c.grad_logprob, c.entropy, c.grad_entropy].iter().flatten() {

@@ -24,7 +24,9 @@ pub fn case_seed(run: u64, i: usize) -> u64 {
 
 /// The GPU, or `None` with the reason printed. GPU tests run whenever a CUDA driver is present
 /// (set `LMHEAD_GPU_TESTS=0` to skip them); with `LMHEAD_GPU_TESTS=1` a missing GPU is a failure,
-/// so a run on the device cannot pass by skipping.
+/// so a run on the device cannot pass by skipping. The launch plans' measurement overrides
+/// (`LMHEAD_FWD_*`, `LMHEAD_BWD_*`: `lmhead::testing::PLAN_OVERRIDE_VARS`) are read here and set
+/// for the process, so that `run-gpu.sh fills` can force plans on the tests.
 pub fn gpu_or_skip(test: &str) -> Option<(LmHead, Arc<CudaStream>)> {
     let want = std::env::var("LMHEAD_GPU_TESTS").ok();
     if want.as_deref() == Some("0") {
@@ -36,6 +38,11 @@ pub fn gpu_or_skip(test: &str) -> Option<(LmHead, Arc<CudaStream>)> {
         println!("SKIP {test}: no CUDA driver on this machine (GPU tests need an H100/H200)");
         return None;
     }
+    let overrides = lmhead::testing::PlanOverrides::from_env();
+    if overrides != lmhead::testing::PlanOverrides::default() {
+        println!("[{test}] plan overrides from the environment: {overrides:?}");
+    }
+    lmhead::testing::set_plan_overrides(overrides);
     match LmHead::new(0) {
         Ok(head) => {
             let stream = head.gpu().context().default_stream();

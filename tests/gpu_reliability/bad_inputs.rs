@@ -132,7 +132,11 @@ fn buffers_from_another_context_are_refused() {
 /// call must be refused before the tuner runs (the reliability tests above pin a fixed config,
 /// which skips the tuner and so could not see a call that tuned first and failed later).
 fn cold_head(head: &LmHead) -> LmHead {
-    let tuner = lmhead::Tuner::new(true, Some(head.gpu().info().clone()), lmhead::tune::cache::Cache::open(None, "cold"));
+    let tuner = lmhead::Tuner::new(
+        lmhead::tune::Policy::Shortlist,
+        Some(head.gpu().info().clone()),
+        lmhead::tune::cache::Cache::open(None, "cold"),
+    );
     LmHead::with_tuner(head.gpu().clone(), tuner)
 }
 

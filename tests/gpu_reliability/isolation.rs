@@ -1,11 +1,16 @@
-//! Every kernel at tail shapes for compute-sanitizer (the `sanitizer_*` test), and tuning that
-//! runs on the library's own scratch buffers only.
+//! Every kernel at tail shapes for compute-sanitizer (the `sanitizer_*` test), tuning that runs
+//! on the library's own scratch buffers only, and the check that keeps tuning off a stream being
+//! captured into a CUDA graph.
+
+use lmhead::tune::cache::Cache;
+use lmhead::tune::Policy;
 
 use super::*;
 
 /// Small tail shapes through every compiled kernel, for compute-sanitizer (memcheck, racecheck,
 /// initcheck, synccheck): every forward and backward candidate, the merges, the tensor-parallel
-/// steps, the cast and the naive kernel, and one autotuning pass (which launches every candidate).
+/// steps, the cast and the naive kernel, and one exhaustive tuning pass (which launches every
+/// candidate).
 #[test]
 fn sanitizer_every_kernel_at_tail_shapes() {
     let Some((head, stream)) = gpu_or_skip("gpu_reliability::sanitizer") else { return };
@@ -105,7 +110,7 @@ fn sanitizer_every_kernel_at_tail_shapes() {
                 };
                 let bo = BwdOptions { chunk: Some(64), config: BwdConfigs::all(Choice::Fallback), ..Default::default() };
                 head.backward_tp(
-                    lmhead::TpBackward { comm, shard, reduce: lmhead::ReduceDh::AllReduce },
+                    lmhead::tp::TpBackward { comm, shard, reduce: lmhead::tp::ReduceDh::AllReduce },
                     &stream,
                     &bx,
                     &bo,
@@ -117,7 +122,8 @@ fn sanitizer_every_kernel_at_tail_shapes() {
             });
         }
     });
-    // Naive kernel, and one autotuning pass over every forward candidate (cache kept in memory).
+    // Naive kernel, and one exhaustive tuning pass over every forward candidate (cache kept in
+    // memory).
     let s = setup(&stream, 9, 300, 64, 3);
     let (r, _, _) = fwd_raw(
         &head,
@@ -127,7 +133,7 @@ fn sanitizer_every_kernel_at_tail_shapes() {
         9,
     );
     r.unwrap();
-    let tuner = lmhead::Tuner::new(true, Some(head.gpu().info().clone()), lmhead::tune::cache::Cache::open(None, "sanitizer"));
+    let tuner = lmhead::Tuner::new(Policy::Exhaustive, Some(head.gpu().info().clone()), Cache::open(None, "sanitizer"));
     let tuned = LmHead::with_tuner(head.gpu().clone(), tuner);
     let (r, _, _) = fwd_raw(
         &tuned,
@@ -148,7 +154,7 @@ fn sanitizer_every_kernel_at_tail_shapes() {
 fn tuning_never_touches_caller_buffers_and_agrees_with_fallback() {
     let test = "gpu_reliability::tuning";
     let Some((plain, stream)) = gpu_or_skip(test) else { return };
-    let tuner = lmhead::Tuner::new(true, Some(plain.gpu().info().clone()), lmhead::tune::cache::Cache::open(None, "tuning-test"));
+    let tuner = lmhead::Tuner::new(Policy::Shortlist, Some(plain.gpu().info().clone()), Cache::open(None, "tuning-test"));
     let head = LmHead::with_tuner(plain.gpu().clone(), tuner);
     let (t, v, d) = (1000, 5003, 512);
     let s = setup(&stream, t, v, d, run_seed(test));
@@ -182,7 +188,7 @@ fn tuning_never_touches_caller_buffers_and_agrees_with_fallback() {
     head.forward(&stream, &x, &fb, FwdOutputs { logprob: &mut lp2, lse: &mut lse2, entropy: Some(&mut ent2) }).unwrap();
     let (a, b) = (download_f32(&stream, &lp).unwrap(), download_f32(&stream, &lp2).unwrap());
     let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f64, f64::max);
-    assert!(worst < 1e-4, "tuned {:?} vs fallback log-probs differ by {worst}", r.config);
+    assert!(worst < 1e-4, "tuned {:?} vs fallback log-probs differ by {worst}", r.kernel);
     let (a, b) = (download_f32(&stream, &ent).unwrap(), download_f32(&stream, &ent2).unwrap());
     let worst_ent = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f64, f64::max);
     assert!(worst_ent < 1e-4, "tuned vs fallback entropy differ by {worst_ent}");
@@ -213,6 +219,26 @@ fn tuning_never_touches_caller_buffers_and_agrees_with_fallback() {
     check_rel_l2("dW tuned vs fallback", test, &dw_t, &dw_f, 3e-3);
     println!(
         "[{test}] rel tuned configs fwd {:?} bwd {:?}/{:?}/{:?}: |Δ logprob| ≤ {worst:.1e}, |Δ entropy| ≤ {worst_ent:.1e} vs fallback; caller buffers untouched by tuning",
-        r.config, rep.dlogits, rep.dh, rep.dw
+        r.kernel, rep.dlogits, rep.dh, rep.dw
     );
+}
+
+/// The check that keeps tuning trials off a stream being captured into a CUDA graph (a trial
+/// queued there would be recorded, not run, and its timing read back would fail the capture):
+/// false on a fresh stream, true between the capture's begin and end, false again after.
+#[test]
+fn a_stream_being_captured_is_seen_as_captured() {
+    use lmhead::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    use lmhead::testing::stream_capturing;
+    let test = "gpu_reliability::capture";
+    let Some((head, _)) = gpu_or_skip(test) else { return };
+    let stream = head.context().new_stream().unwrap();
+    assert!(!stream_capturing(&stream).unwrap(), "a fresh stream is not being captured");
+    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).unwrap();
+    let during = stream_capturing(&stream);
+    let ended = stream.end_capture(CUgraphInstantiate_flags(0));
+    assert!(during.unwrap(), "between begin and end of a capture the stream is being captured");
+    ended.unwrap();
+    assert!(!stream_capturing(&stream).unwrap(), "after the capture ended it is not");
+    println!("[{test}] capture seen as such: before false, during true, after false");
 }

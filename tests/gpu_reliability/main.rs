@@ -6,7 +6,8 @@
 //! Files by concern: `bad_inputs` (typed errors with untouched buffers, foreign contexts, bad
 //! calls refused before tuning on a cold cache), `limits` (NaN confinement, out-of-memory,
 //! 64-bit indexing), `isolation` (the sanitizer pass over every kernel, tuning that never touches
-//! the caller's buffers); here, the setup they share.
+//! the caller's buffers, the stream-capture check that keeps trials off a captured stream); here,
+//! the setup they share.
 
 mod bad_inputs;
 mod isolation;
@@ -16,10 +17,8 @@ use std::sync::Arc;
 
 use lmhead::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use lmhead::testing::{download_f32, poison, upload, upload_bf16};
-use lmhead::{
-    bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, Error, Family, FwdInputs, FwdOptions, FwdOutputs, GradOut, LmHead, LocalComm, Problem,
-    Shard,
-};
+use lmhead::tp::{LocalComm, Shard};
+use lmhead::{bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, Error, Family, FwdInputs, FwdOptions, FwdOutputs, GradOut, LmHead, Problem};
 use lmhead_reference::rng::Rng;
 use lmhead_reference::{backward_dw_rows, forward_rows, Case, Grads, Inputs, Structure};
 use lmhead_tests::{check_rel_l2, gpu_or_skip, run_seed};

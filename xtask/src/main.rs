@@ -18,13 +18,13 @@
 //!   `docs/bench/`; `bench-report --docs` regenerates the tables of README.md and
 //!   docs/PERFORMANCE.md from the results files `docs/results/SUITES` lists, `--check` (CI)
 //!   fails where they are stale (see `report/`). Needs no GPU.
-//! - `tune-table <tune-table.jsonl>... [--out FILE] [--report FILE]`: merge `lmhead-bench
-//!   tune-table` records into the shipped table of tuned configs (`host/tuned/`) and report the
-//!   autotuned picks against the best fixed configs (see `tune_table.rs`). Needs no GPU.
+//! - `heuristics <records.jsonl>...`: the launch rules (`lmhead_core::heuristics`) against
+//!   exhaustive trial records (`lmhead-bench exhaustive`) and forced-plan records (`run-gpu.sh
+//!   plans`): how close each rule comes to the fastest candidate and plan (see `heuristics.rs`).
+//!   Needs no GPU.
 
+mod heuristics;
 mod report;
-mod table_plans;
-mod tune_table;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -175,9 +175,8 @@ fn main() -> ExitCode {
         Some("bench") => status(cargo().current_dir(root()).args(["run", "--release", "-p", "lmhead-bench", "--"]).args(&args[1..])),
         Some("gpu-bundle") => bundle(),
         Some("bench-report") => report::run(&args[1..]),
-        Some("tune-table") => tune_table::run(&args[1..]),
-        Some("table-plans") => table_plans::run(&args[1..]),
-        _ => Err("usage: cargo xtask <setup|build-ptx|test|demo|bench|gpu-bundle|bench-report <results.jsonl> [--out-dir DIR] | --docs | --check|tune-table <tune-table.jsonl>... [--out FILE] [--report FILE]|table-plans [--table FILE] [--margin M] [--replace] <records.jsonl>...>".into()),
+        Some("heuristics") => heuristics::run(&args[1..]),
+        _ => Err("usage: cargo xtask <setup|build-ptx|test|demo|bench|gpu-bundle|bench-report <results.jsonl> [--out-dir DIR] | --docs | --check|heuristics <records.jsonl>...>".into()),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

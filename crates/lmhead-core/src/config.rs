@@ -2,7 +2,8 @@
 //! instantiates exactly these entry points) and the host (which may choose only among them).
 //!
 //! A config is a value on the host and a set of const generics on the device. Each kernel family
-//! has a named fallback config (no `Default`): the one used when tuning is off.
+//! has a named fallback config (no `Default`): its portable `mma.sync` config, which every device
+//! runs. Which config a call runs is decided by the rules in [`crate::heuristics`].
 
 /// The tuned kernel families. Each (family, config) pair is one PTX entry point.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -53,7 +54,8 @@ impl Family {
         }
     }
 
-    /// The config used when tuning is off (`LMHEAD_AUTOTUNE=0`) or has not run.
+    /// The family's portable config (index 0 of its candidates): what `Choice::Fallback` runs,
+    /// and the rules' answer where nothing else fits the device.
     pub const fn fallback(self) -> TileConfig {
         self.candidates()[0]
     }
@@ -133,18 +135,18 @@ pub const TMA_STORE_BYTES: usize = 2 * 2 * 64 * 64 * 2;
 /// swizzle needs.
 pub const TMA_STORE_GAP: usize = 1024;
 
-const fn tc(bm: u16, bn: u16, bk: u16, stages: u8, warps_m: u8, warps_n: u8) -> TileConfig {
+pub(crate) const fn tc(bm: u16, bn: u16, bk: u16, stages: u8, warps_m: u8, warps_n: u8) -> TileConfig {
     TileConfig { bm, bn, bk, stages, warps_m, warps_n, mainloop: Mainloop::MmaSync }
 }
 
 /// An sm90 config: two consumer warpgroups (128 rows) and the producer warpgroup, `bn` columns
 /// (128 or 256), `stages` 64-deep stages.
-const fn tw(bn: u16, stages: u8) -> TileConfig {
+pub(crate) const fn tw(bn: u16, stages: u8) -> TileConfig {
     TileConfig { bm: 128, bn, bk: 64, stages, warps_m: 8, warps_n: 1, mainloop: Mainloop::Sm90 { store: Store::Registers } }
 }
 
 /// An sm90 d-logits or `dh` config whose epilogue writes through shared memory by TMA.
-const fn ts(bn: u16, stages: u8) -> TileConfig {
+pub(crate) const fn ts(bn: u16, stages: u8) -> TileConfig {
     TileConfig { mainloop: Mainloop::Sm90 { store: Store::Tma }, ..tw(bn, stages) }
 }
 

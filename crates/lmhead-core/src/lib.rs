@@ -1,7 +1,8 @@
 //! Pure logic shared by the device kernels (`kernels-gpu`, built `no_std` for nvptx64), the host
 //! library and the CPU reference: problem shapes, tile configurations and the candidate tables,
-//! the `#[repr(C)]` kernel parameter structs (the device ABI), token buckets, vocab-split planning
-//! and the online log-sum-exp / entropy merge.
+//! the `#[repr(C)]` kernel parameter structs (the device ABI), token buckets, vocab-split planning,
+//! every launch decision as a function of the problem and the device (`heuristics`), and the
+//! online log-sum-exp / entropy merge.
 //!
 //! This crate has no `unsafe` and no dependency on a GPU. With the `std` feature (host side) the
 //! configs also derive `serde` traits and kernel names can be formatted.
@@ -13,6 +14,7 @@ extern crate std;
 
 pub mod bucket;
 pub mod config;
+pub mod heuristics;
 pub mod lse;
 pub mod params;
 pub mod problem;

@@ -81,7 +81,7 @@ pub const fn block_work(bx: u32, by: u32, gx: u32, v_tiles: u32, per: u32, group
     }
 }
 
-/// A measurement override of a plan (the host reads it from the environment): a forced split
+/// A measurement override of a plan (benches and tests set them in the host): a forced split
 /// count or a forced tile count per block, and a forced raster group. [`PlanOverride::apply`]
 /// keeps the plan covering every tile exactly.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -94,6 +94,9 @@ pub struct PlanOverride {
 }
 
 impl PlanOverride {
+    /// No override.
+    pub const NONE: PlanOverride = PlanOverride { splits: None, tiles: None, raster: None, fill: None };
+
     /// `plan` with the overrides of `self` for a walk over `n_tiles` tiles (a split or tile count
     /// of 0 is ignored; counts beyond `n_tiles` are clamped, a fill to below the last split's
     /// length; a new split drops the plan's fill unless `fill` is set).

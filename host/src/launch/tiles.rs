@@ -241,26 +241,29 @@ pub struct GemmC<'a, 'b> {
     pub mode: GemmOut,
 }
 
+/// Which backward GEMM a launch runs: `family` is `BwdDh` (A `[m][k]` K-major) or `BwdDw` (A
+/// `[k][m]` M-major, i.e. the staging buffer read transposed), at `cfg`, queued after the event
+/// `after` of another stream when there is one.
+#[derive(Clone, Copy)]
+pub struct GemmLaunch<'e> {
+    pub family: Family,
+    pub cfg: TileConfig,
+    pub after: Option<&'e CudaEvent>,
+}
+
 /// `C[m][n] (+)= Σ_k A · B` for the backward, on the operands as stored: `family` is `BwdDh`
 /// (A `[m][k]` K-major) or `BwdDw` (A `[k][m]` M-major, i.e. the staging buffer read
 /// transposed); B is `[k][n]`. `cfg` is an `mma.sync` config or an sm90 one (which reads the
 /// operands in place through tensor maps).
 pub fn bwd_gemm(gpu: &Gpu, stream: &Arc<CudaStream>, family: Family, cfg: TileConfig, g: &GemmIn, c: &GemmC) -> Result<()> {
-    bwd_gemm_after(gpu, stream, family, cfg, g, c, None)
+    bwd_gemm_after(gpu, stream, &GemmLaunch { family, cfg, after: None }, g, c)
 }
 
-/// [`bwd_gemm`] on `stream` after `after` (an event of another stream): the tensor maps are
-/// copied first, so that the kernel is ready to run the moment the event completes.
-pub(crate) fn bwd_gemm_after(
-    gpu: &Gpu,
-    stream: &Arc<CudaStream>,
-    family: Family,
-    cfg: TileConfig,
-    g: &GemmIn,
-    c: &GemmC,
-    after: Option<&CudaEvent>,
-) -> Result<()> {
+/// [`bwd_gemm`] of `l` on `stream` after `l.after` (an event of another stream): the tensor maps
+/// are copied first, so that the kernel is ready to run the moment the event completes.
+pub(crate) fn bwd_gemm_after(gpu: &Gpu, stream: &Arc<CudaStream>, l: &GemmLaunch, g: &GemmIn, c: &GemmC) -> Result<()> {
     let GemmIn { m, n, k, a, a_stride, b, b_stride } = *g;
+    let (family, cfg) = (l.family, l.cfg);
     if n % 8 != 0 || a_stride % 8 != 0 || b_stride % 8 != 0 || b_stride < n {
         return Err(Error::Config(format!("gemm needs n, strides multiples of 8 (n {n}, strides {a_stride}, {b_stride})")));
     }
@@ -286,24 +289,15 @@ pub(crate) fn bwd_gemm_after(
         Family::BwdDh => TmaOperand::k_major(a, m, k, a_stride, cfg.bm),
         _ => TmaOperand::mn_major(a, k, m, a_stride),
     };
-    launch_gemm(gpu, stream, family, cfg, g, [a_map, TmaOperand::mn_major(b, k, n, b_stride)], c, after)
+    launch_gemm(gpu, stream, l, g, [a_map, TmaOperand::mn_major(b, k, n, b_stride)], c)
 }
 
 /// The launch shared by both GEMM kinds, after each checked its operands and described them as
 /// tensor maps (`maps`: A, B, whose `ptr` are the checked addresses; only a TMA config loads
 /// through the maps): the C buffers' bounds for `mode`, then the grid of `(bm × bn)` tiles,
-/// launched once `stream` has waited for `after`.
-#[allow(clippy::too_many_arguments)]
-fn launch_gemm(
-    gpu: &Gpu,
-    stream: &Arc<CudaStream>,
-    family: Family,
-    cfg: TileConfig,
-    g: &GemmIn,
-    maps: [TmaOperand; 2],
-    c: &GemmC,
-    after: Option<&CudaEvent>,
-) -> Result<()> {
+/// launched once `stream` has waited for `l.after`.
+fn launch_gemm(gpu: &Gpu, stream: &Arc<CudaStream>, l: &GemmLaunch, g: &GemmIn, maps: [TmaOperand; 2], c: &GemmC) -> Result<()> {
+    let (family, cfg, after) = (l.family, l.cfg, l.after);
     let (GemmIn { m, n, k, a_stride, b_stride, .. }, GemmC { acc, out, mode }) = (*g, *c);
     let mut p = GemmParams {
         a: maps[0].ptr,

@@ -1,9 +1,11 @@
 //! The persistent tuning cache: one JSON file per device fingerprint (name, SM version, driver).
 //!
 //! Format (a compatibility boundary: new fields get `#[serde(default)]`):
-//! `{"format": 1, "header": {"ptx_hash", "candidates", "device"}, "entries": [[key, entry], …]}`.
+//! `{"format": 2, "header": {"ptx_hash", "candidates", "device"}, "entries": [[key, entry], …]}`.
 //! The header's PTX hash and candidate-table checksum make a file written for other kernels
-//! stale: it is ignored with a warning and retuned, never trusted. A corrupt or truncated file is
+//! stale: it is ignored with a warning and retuned, never trusted (the cache is local: a new
+//! build retunes, nothing shipped depends on the kernels' bytes). Format 1 files (written while
+//! a shipped table decided most keys) read as stale. A corrupt or truncated file is
 //! also ignored with a warning. Writes are atomic (temporary file + rename) and serialised
 //! across processes by an advisory lock on `<file>.lock`; each write re-reads the file and merges,
 //! so two processes tuning different keys at once both keep their results.
@@ -17,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use super::{Entry, TuneKey};
 
 /// Current file format.
-pub const FORMAT: u32 = 1;
+pub const FORMAT: u32 = 2;
 
 /// What makes a cache file valid for this build on this device.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

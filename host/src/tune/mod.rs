@@ -1,41 +1,41 @@
-//! Autotuning: enumerate, prune, bucket, time, cache, explain.
+//! Autotuning: the rules' short list timed per power-of-two token bucket, the winner cached.
 //!
-//! Every tuned kernel family has a candidate table in `lmhead_core::config` (the PTX build
-//! instantiates exactly those entry points, so an unbuilt config can never be chosen). On the
-//! first call of a [`TuneKey`] — family, power-of-two token bucket, `d`, local `v`, dtype, tensor
-//! parallel or not — the tuner decides ([`Tuner::pick`]):
+//! Every tuned kernel family has its candidates in `lmhead_core::config` (the PTX build
+//! instantiates exactly those entry points, so an unbuilt config can never be chosen) and its
+//! rules in `lmhead_core::heuristics`: a pick and a short list of at most three configs per
+//! family, problem and device. A call whose config is [`Choice::Auto`] takes, by the tuner's
+//! [`Policy`]:
 //!
-//! - **table** (the default, `LMHEAD_TUNE=table`): with the shipped table of tuned configs
-//!   ([`table`]) measured on this device model, a key the table holds takes the table's winner
-//!   without trials, except for the families the table lists as `fixed_only` (on the H200 the
-//!   d-logits families: where their picks differed, training steps ran 1.5% slower on average
-//!   than with the fixed config, up to 6%, in the steady-state sweep), which take the fixed
-//!   config. For any other key:
-//!   - when a trial would see only a slice of the problem (more than 32768 rows, or a forward
-//!     of more than ~2⁴⁰ multiply-adds), the family's best fixed config from the table, without
-//!     trials: in the steady state it beat the slice trials' picks (see [`Tuner::pick_sliced`]);
-//!   - otherwise a shortlist is timed on the whole problem, with one confirmation round: the
-//!     table's best configs at the nearest keys plus the best fixed config (on sm90 the
-//!     `mma.sync` configs are left out: 1.7–2.3× slower at every key of the table). If nothing
-//!     on the shortlist runs, the rest is timed.
-//! - **exhaustive** (`LMHEAD_TUNE=exhaustive`; how the table is made): every candidate on the
-//!   caller's real shape, two confirmation rounds.
+//! - **off** — the rule's pick, nothing timed or cached. The default on the device model the rules
+//!   were measured on ([`MEASURED_ON`]): there the steady state showed no gain from per-shape
+//!   picks (`lmhead_core::heuristics::sm90`), while timing costs the first call of every bucket
+//!   0.07–0.4 s per family (`docs/results/probe-2026-11-30.jsonl`, `run-gpu.sh probe`).
+//! - **short list** — the default on every other device (and anywhere with `LMHEAD_AUTOTUNE=1`):
+//!   on the first call of a [`TuneKey`] (family, token bucket, `d`, local `v`, dtype, tensor
+//!   parallel or not) the short list is timed on the caller's whole shape, with one confirmation
+//!   round, and the winner and every outcome are cached, also on disk ([`cache`]). A problem too
+//!   large to time whole ([`CanTime::TooLarge`]) takes the rule's pick, cached: short trials on a
+//!   slice of a problem picked worse than one config per family in the steady state (−1.7 to
+//!   −2.2% on average at the forwards, `docs/results/sweep-versus-fixed-2026-11-30.jsonl`). A
+//!   stream being captured into a CUDA graph ([`CanTime::Capturing`]) takes the rule's pick,
+//!   not cached: a trial would be captured instead of run.
+//! - **exhaustive** — for benches only ([`Tuner::new`] with [`Policy::Exhaustive`]): every
+//!   candidate on the caller's real shape, two confirmation rounds.
 //!
 //! Trials prune on paper first (shared memory, divisibility), time with CUDA events (warm-up,
-//! median of 5), write only to scratch buffers, and reject candidates that fail or disagree
-//! with the first timed candidate's answer. The winner *and every outcome* go into the cache,
-//! which persists across processes ([`cache`]). `LMHEAD_AUTOTUNE=0` uses each family's best
-//! fixed config from the table (or the `mma.sync` fallback where the table's kernels do not
-//! load), as does a tuning whose trials all ran out of scratch memory (not cached).
+//! median of 5), write only to scratch buffers, and reject candidates that fail or disagree with
+//! the first timed candidate's answer. If nothing on the short list runs (the Hopper kernels do
+//! not load, say), the portable rules' short list is timed. A tuning whose trials all ran out of
+//! scratch memory takes the rule's pick, not cached.
 
 pub mod bench;
 pub mod cache;
-pub mod table;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use lmhead_core::config::{Family, TileConfig};
+use lmhead_core::heuristics;
 use lmhead_core::{Problem, TokenBucket};
 use serde::{Deserialize, Serialize};
 
@@ -45,10 +45,10 @@ use crate::error::{Error, Result};
 /// How a call chooses its tile config.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Choice {
-    /// The tuned config for the call's key (tuning on first use, when tuning is enabled).
+    /// The tuner's config for the call's key (by its [`Policy`]).
     #[default]
     Auto,
-    /// The family's fallback config.
+    /// The family's fallback config (the portable `mma.sync` one every device runs).
     Fallback,
     /// This config (it must be one of the family's candidates).
     Fixed(TileConfig),
@@ -70,10 +70,16 @@ impl TuneKey {
     pub fn new(family: Family, p: Problem, tp: bool) -> Self {
         Self { family, bucket: TokenBucket::of(p.t), d: p.d as u32, v: p.v as u32, dtype: "bf16".into(), tp }
     }
+
+    /// The problem the rules see for this key: the bucket's largest token count (every rule's
+    /// token threshold is a bucket boundary, so every count of the bucket gets the same answer).
+    pub fn problem(&self) -> Problem {
+        Problem::new(self.bucket.tokens() as usize, self.v as usize, self.d as usize)
+    }
 }
 
 /// One timed run of a candidate: its median time and a sample of its output for the agreement
-/// check against the fallback.
+/// check against the first timed candidate.
 #[derive(Clone, Debug)]
 pub struct Trial {
     pub ms: f64,
@@ -97,12 +103,9 @@ pub enum Outcome {
     Failed { reason: String },
     /// Ran but disagreed with the reference (relative L2 difference).
     Wrong { rel_l2: f64 },
-    /// Not timed here: taken from the shipped table (time relative to the table's winner).
-    Table { rel: f64 },
-    /// Not timed: the family's best fixed config from the shipped table, taken for a key the
-    /// table does not hold when a trial could only run on a slice of the problem (see
-    /// [`Tuner::pick_sliced`]).
-    Fixed,
+    /// Not timed: the rule's pick, for a problem too large to time whole or alone on its short
+    /// list.
+    Heuristic,
 }
 
 /// The tuning record of one key: the winner and every candidate's outcome.
@@ -116,100 +119,122 @@ pub struct Entry {
 }
 
 impl Entry {
-    /// Candidates that ran in trials (timed, or rejected for a wrong answer); 0 for a table pick.
+    /// Candidates that ran in trials (timed, or rejected for a wrong answer); 0 for the rule's
+    /// pick.
     pub fn timed(&self) -> usize {
         self.candidates.iter().filter(|(_, o)| matches!(o, Outcome::Timed { .. } | Outcome::Wrong { .. })).count()
     }
 }
 
-/// Largest relative L2 difference from the fallback's output that still counts as the same
-/// answer. f32 accumulation in another order moves log-probs by ~1e-6 relative; bf16 outputs
-/// (d-logits, gradients) by ~4e-3.
+/// Largest relative L2 difference from the first timed candidate's output that still counts as
+/// the same answer. f32 accumulation in another order moves log-probs by ~1e-6 relative; bf16
+/// outputs (d-logits, gradients) by ~4e-3.
 pub const AGREE_REL_L2: f64 = 1e-2;
 
 /// Contenders: candidates whose first-pass time is within this factor of the best. They are timed
-/// again in [`CONFIRM_ROUNDS`] rounds that cycle through them (backward, then forward order), and
-/// each one's time is the median of all its rounds. One short timing can be off by more than the
-/// gap between the best few candidates: on an H200, a cp.async `wgmma` config once measured
-/// within 5% of the best TMA config in tuning and then ran 1.35× slower in the benchmark's steady
-/// state, doubling the time other ranks waited at the all-reduce.
+/// again in confirmation rounds that cycle through them (backward, then forward order), and each
+/// one's time is the median of all its rounds. One short timing can be off by more than the gap
+/// between the best few candidates: on an H200, a cp.async `wgmma` config once measured within 5%
+/// of the best TMA config in tuning and then ran 1.35× slower in the benchmark's steady state,
+/// doubling the time other ranks waited at the all-reduce.
 pub const CONFIRM_WITHIN: f64 = 1.15;
+/// Confirmation rounds of an exhaustive tuning (a short list's: one).
 pub const CONFIRM_ROUNDS: usize = 2;
-
-/// Shortlists (table mode): the configs within this factor of the best at the nearest
-/// [`SHORTLIST_KEYS`] keys of the table, at most [`SHORTLIST_CAP`], plus the family's best
-/// fixed config; one confirmation round.
-pub const SHORTLIST_WITHIN: f64 = 1.05;
-pub const SHORTLIST_KEYS: usize = 2;
-pub const SHORTLIST_CAP: usize = 3;
 
 /// A tuning that takes longer than this is reported on stderr even without
 /// `LMHEAD_TUNE_VERBOSE` (a first call that stalls should say why).
 pub const REPORT_SLOW_S: f64 = 2.0;
 
-/// How a cache miss is tuned (see the module docs).
+/// The device models the rules were measured on, by `DeviceInfo::name`: tuning is off by default
+/// there.
+pub const MEASURED_ON: [&str; 1] = ["NVIDIA H200"];
+
+/// How a cache miss is decided (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Mode {
-    Table,
+pub enum Policy {
+    /// The rule's pick; nothing timed or cached.
+    Off,
+    /// The rule's short list timed on the whole problem when it can be; cached.
+    Shortlist,
+    /// Every candidate timed on the real shape (benches).
     Exhaustive,
+}
+
+impl Policy {
+    /// The policy of a tuner on `device` with `LMHEAD_AUTOTUNE` at `autotune`: `0` off, `1` the
+    /// short list, unset by the device ([`MEASURED_ON`]: off there, the short list elsewhere).
+    pub fn for_device(device: &DeviceInfo, autotune: Option<&str>) -> Policy {
+        match autotune.map(str::trim) {
+            Some("0") => Policy::Off,
+            Some("1") => Policy::Shortlist,
+            other => {
+                if let Some(v) = other {
+                    eprintln!("lmhead: warning: LMHEAD_AUTOTUNE={v} is not 0 or 1; using the device's default");
+                }
+                if MEASURED_ON.contains(&device.name.as_str()) {
+                    Policy::Off
+                } else {
+                    Policy::Shortlist
+                }
+            }
+        }
+    }
+}
+
+/// Whether a call's trials may run (the caller knows its problem and stream).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CanTime {
+    Yes,
+    /// The problem is too large to time whole within the cold-call budget.
+    TooLarge,
+    /// The call's stream is being captured into a CUDA graph.
+    Capturing,
 }
 
 /// Whether a config's kernel loads on this device.
 pub type Loads = Arc<dyn Fn(Family, TileConfig) -> bool + Send + Sync>;
 
-/// The tuner: enabled flag, mode and table, device limits for pruning, and the cache.
+/// The tuner: policy, the device's limits for the rules and for pruning, and the cache.
 pub struct Tuner {
-    enabled: bool,
-    mode: Mode,
-    table: Option<(table::Table, table::Fit)>,
-    loads: Option<Loads>,
+    policy: Policy,
     device: Option<DeviceInfo>,
+    limits: heuristics::Device,
+    loads: Option<Loads>,
     cache: Mutex<cache::Cache>,
     /// Print one line per tuning to stderr.
     pub verbose: bool,
 }
 
 impl Tuner {
-    /// From the environment: `LMHEAD_AUTOTUNE=0` disables tuning; `LMHEAD_TUNE=exhaustive`
-    /// times every candidate (default `table`); the cache file is `LMHEAD_TUNE_CACHE` or
-    /// `<user cache dir>/lmhead/<device fingerprint>.json` (`LMHEAD_TUNE_CACHE=off` keeps it in
-    /// memory only).
+    /// From the environment: `LMHEAD_AUTOTUNE` ([`Policy::for_device`]); the cache file is
+    /// `LMHEAD_TUNE_CACHE` or `<user cache dir>/lmhead/<device fingerprint>.json`
+    /// (`LMHEAD_TUNE_CACHE=off` keeps it in memory only); `LMHEAD_TUNE_VERBOSE=1` reports each
+    /// tuning.
     pub fn from_env(device: &DeviceInfo) -> Self {
-        let enabled = std::env::var("LMHEAD_AUTOTUNE").map(|v| v != "0").unwrap_or(true);
-        let mode = match std::env::var("LMHEAD_TUNE").as_deref() {
-            Ok("exhaustive") => Mode::Exhaustive,
-            Ok("table") | Err(_) => Mode::Table,
-            Ok(other) => {
-                eprintln!("lmhead: warning: LMHEAD_TUNE={other} is not `table` or `exhaustive`; using `table`");
-                Mode::Table
+        let policy = Policy::for_device(device, std::env::var("LMHEAD_AUTOTUNE").ok().as_deref());
+        for gone in ["LMHEAD_TUNE", "LMHEAD_BWD_OVERLAP"] {
+            if std::env::var_os(gone).is_some() {
+                eprintln!(
+                    "lmhead: warning: {gone} is no longer read (exhaustive tuning is `lmhead-bench exhaustive`'s; dW beside dh is BwdOptions::dw_beside_dh)"
+                );
             }
-        };
+        }
         let path = cache::default_path(&device.fingerprint());
         let verbose = std::env::var("LMHEAD_TUNE_VERBOSE").map(|v| v != "0").unwrap_or(false);
-        Self::new(enabled, Some(device.clone()), cache::Cache::open(path, &device.fingerprint()))
-            .with_table(table::Table::shipped(device), mode)
-            .verbose(verbose)
+        let mut t = Self::new(policy, Some(device.clone()), cache::Cache::open(path, &device.fingerprint()));
+        t.verbose = verbose;
+        t
     }
 
-    /// A tuner with an explicit cache (tests, the probe): exhaustive, no table.
-    pub fn new(enabled: bool, device: Option<DeviceInfo>, cache: cache::Cache) -> Self {
-        Self { enabled, mode: Mode::Exhaustive, table: None, loads: None, device, cache: Mutex::new(cache), verbose: false }
+    /// A tuner with an explicit policy and cache (tests, benches). Without a device the rules
+    /// take the H200's limits (`heuristics::Device::H200`).
+    pub fn new(policy: Policy, device: Option<DeviceInfo>, cache: cache::Cache) -> Self {
+        let limits = device.as_ref().map_or(heuristics::Device::H200, limits_of);
+        Self { policy, device, limits, loads: None, cache: Mutex::new(cache), verbose: false }
     }
 
-    /// Use `table` (with how well it fits this device) in `mode`.
-    pub fn with_table(mut self, table: Option<(table::Table, table::Fit)>, mode: Mode) -> Self {
-        self.table = table;
-        self.mode = mode;
-        self
-    }
-
-    fn verbose(mut self, on: bool) -> Self {
-        self.verbose = on;
-        self
-    }
-
-    /// Tell the tuner which configs load (table picks and fixed configs are checked with it;
-    /// `LmHead` sets it from its device).
+    /// Tell the tuner which configs load (the rule's picks are checked with it; `LmHead` sets it
+    /// from its device).
     pub fn set_loads(&mut self, loads: Loads) {
         self.loads = Some(loads);
     }
@@ -218,27 +243,31 @@ impl Tuner {
         self.loads.as_ref().is_none_or(|f| f(family, c))
     }
 
-    pub fn enabled(&self) -> bool {
-        self.enabled
+    pub fn policy(&self) -> Policy {
+        self.policy
     }
 
-    pub fn mode(&self) -> Mode {
-        self.mode
+    /// The device's limits as the rules see them.
+    pub fn limits(&self) -> &heuristics::Device {
+        &self.limits
     }
 
-    pub fn table(&self) -> Option<&(table::Table, table::Fit)> {
-        self.table.as_ref()
+    /// The rules' short list for `family` at `p` on this device (the portable rules' where the
+    /// pick of the device's own does not load).
+    pub fn shortlist(&self, family: Family, p: Problem) -> Vec<TileConfig> {
+        let own = heuristics::shortlist(family, p, &self.limits);
+        if self.loads(family, own.pick()) {
+            return own.as_slice().to_vec();
+        }
+        heuristics::shortlist(family, p, &self.limits.portable()).as_slice().to_vec()
     }
 
-    /// The config used without tuning: the table's best fixed config when it loads, else the
-    /// family's `mma.sync` fallback.
-    pub fn untuned(&self, family: Family) -> TileConfig {
-        self.table_fixed(family).unwrap_or_else(|| family.fallback())
-    }
-
-    /// The table's best fixed config of `family`, when there is a table and its kernel loads.
-    fn table_fixed(&self, family: Family) -> Option<TileConfig> {
-        self.table.as_ref().and_then(|(t, _)| t.fixed(family)).filter(|&c| self.loads(family, c))
+    /// The config a call takes untimed: the rule's pick where its kernel loads, else the portable
+    /// rules' pick, else the family's fallback.
+    pub fn heuristic(&self, family: Family, p: Problem) -> TileConfig {
+        let own = std::iter::once_with(|| heuristics::config(family, p, &self.limits));
+        let portable = std::iter::once_with(|| heuristics::config(family, p, &self.limits.portable()));
+        own.chain(portable).find(|&c| self.loads(family, c)).unwrap_or_else(|| family.fallback())
     }
 
     /// The cached record of `key`, if any.
@@ -256,27 +285,23 @@ impl Tuner {
         family.candidates().iter().map(|&c| (c, can_implement(c, self.device.as_ref(), p))).collect()
     }
 
-    /// The config for `key` under `choice`; tunes with `trial` on a cache miss (tests drive it
-    /// with fake trials), trials that run the whole problem. See the module docs for the modes.
-    pub fn pick(&self, key: &TuneKey, choice: Choice, trial: &mut dyn FnMut(TileConfig) -> Result<Trial>) -> Result<TileConfig> {
-        self.pick_sliced(key, choice, false, trial)
+    /// Whether a call of `choice` at `key` would run trials now (to allocate their scratch only
+    /// then).
+    pub fn would_time(&self, key: &TuneKey, choice: Choice, can_time: CanTime) -> bool {
+        let timed = match self.policy {
+            Policy::Off => false,
+            Policy::Shortlist => can_time == CanTime::Yes && self.shortlist(key.family, key.problem()).len() > 1,
+            Policy::Exhaustive => can_time != CanTime::Capturing,
+        };
+        timed && choice == Choice::Auto && self.entry(key).is_none()
     }
 
-    /// [`Tuner::pick`] where `sliced` says that `trial` would run only a slice of the problem
-    /// (table mode's trials on large shapes). In table mode a family the table lists as
-    /// `fixed_only` takes its best fixed config at every key, and so does a key the table does
-    /// not hold when `sliced`, without trials: on the H200, over the sweep's 38
-    /// shapes beyond the table, the slice trials' picks ran 1.7–2.2% slower on average in the
-    /// steady state than that fixed config (up to 11% slower), while the table's exhaustive picks
-    /// at its own 65 shapes ran 0.7–1.3% faster (`docs/PERFORMANCE.md`).
-    pub fn pick_sliced(
-        &self,
-        key: &TuneKey,
-        choice: Choice,
-        sliced: bool,
-        trial: &mut dyn FnMut(TileConfig) -> Result<Trial>,
-    ) -> Result<TileConfig> {
+    /// The config for `key` under `choice`; tunes with `trial` on a cache miss (tests drive it
+    /// with fake trials), each trial on the whole problem, when `can_time` allows. See the
+    /// module docs for the policies.
+    pub fn pick(&self, key: &TuneKey, choice: Choice, can_time: CanTime, trial: &mut dyn FnMut(TileConfig) -> Result<Trial>) -> Result<TileConfig> {
         let family = key.family;
+        let p = key.problem();
         match choice {
             Choice::Fixed(c) => {
                 if !family.candidates().contains(&c) {
@@ -285,27 +310,27 @@ impl Tuner {
                 return Ok(c);
             }
             Choice::Fallback => return Ok(family.fallback()),
-            Choice::Auto if !self.enabled => return Ok(self.untuned(family)),
+            Choice::Auto if self.policy == Policy::Off => return Ok(self.heuristic(family, p)),
             Choice::Auto => {}
         }
         if let Some(e) = self.cache.lock().unwrap().get(key) {
             return Ok(e.winner);
         }
+        if can_time == CanTime::Capturing {
+            return Ok(self.heuristic(family, p));
+        }
         let start = std::time::Instant::now();
-        let fixed_only = self.mode == Mode::Table && self.table.as_ref().is_some_and(|(t, _)| t.fixed_only(family));
-        if let Some(entry) = self.table_pick(key).filter(|_| !fixed_only) {
-            let winner = entry.winner;
-            self.finish(key, entry, "table");
+        let untimed = match self.policy {
+            Policy::Shortlist if can_time == CanTime::TooLarge => Some("the rule's pick, too large to time"),
+            Policy::Shortlist if self.shortlist(family, p).len() == 1 => Some("the rule's pick, alone on its short list"),
+            _ => None,
+        };
+        if let Some(how) = untimed {
+            let winner = self.heuristic(family, p);
+            let entry = Entry { winner, candidates: vec![(winner, Outcome::Heuristic)], seconds: start.elapsed().as_secs_f64() };
+            self.finish(key, entry, how);
             return Ok(winner);
         }
-        if self.mode == Mode::Table && (sliced || fixed_only) {
-            if let Some(fixed) = self.table_fixed(family) {
-                let entry = Entry { winner: fixed, candidates: vec![(fixed, Outcome::Fixed)], seconds: start.elapsed().as_secs_f64() };
-                self.finish(key, entry, "fixed");
-                return Ok(fixed);
-            }
-        }
-        let p = Problem::new(key.bucket.tokens() as usize, key.v as usize, key.d as usize);
         let mut reference: Option<Vec<f64>> = None;
         // Trials that failed for want of scratch memory (not the kernel's fault).
         let mut oom = 0usize;
@@ -314,94 +339,49 @@ impl Tuner {
             oom += matches!(r, Err(Error::OutOfMemory { .. })) as usize;
             r
         };
-        // First pass: the shortlist (table mode) or everything (exhaustive); deferred candidates
-        // are recorded as pruned with the reason, and timed only if nothing on the shortlist ran.
-        let plan = self.first_pass(key, p);
-        let mut outcomes: Vec<(TileConfig, Outcome)> = plan
-            .iter()
-            .map(|(c, step)| match step {
-                Step::Time => (*c, judge(trial(*c), &mut reference)),
-                Step::Defer(reason) | Step::Prune(reason) => (*c, Outcome::Pruned { reason: reason.clone() }),
-            })
-            .collect();
-        if best_timed(&outcomes).is_none() {
-            for ((c, step), (_, o)) in plan.iter().zip(outcomes.iter_mut()) {
-                if matches!(step, Step::Defer(_)) {
-                    *o = judge(trial(*c), &mut reference);
+        let (first, then): (Vec<TileConfig>, Vec<TileConfig>) = match self.policy {
+            Policy::Exhaustive => (family.candidates().to_vec(), Vec::new()),
+            _ => {
+                let own = heuristics::shortlist(family, p, &self.limits).as_slice().to_vec();
+                let portable = heuristics::shortlist(family, p, &self.limits.portable()).as_slice().to_vec();
+                (own, portable)
+            }
+        };
+        let mut outcomes: Vec<(TileConfig, Outcome)> = Vec::new();
+        for list in [first, then] {
+            if best_timed(&outcomes).is_some() {
+                break;
+            }
+            for c in list {
+                if outcomes.iter().any(|(x, _)| *x == c) {
+                    continue;
                 }
+                let o = match can_implement(c, self.device.as_ref(), p) {
+                    Err(reason) => Outcome::Pruned { reason },
+                    Ok(()) => judge(trial(c), &mut reference),
+                };
+                outcomes.push((c, o));
             }
         }
-        let rounds = if self.mode == Mode::Table { 1 } else { CONFIRM_ROUNDS };
+        let rounds = if self.policy == Policy::Exhaustive { CONFIRM_ROUNDS } else { 1 };
         confirm(&mut outcomes, rounds, &mut trial, &mut reference);
         let failed = outcomes.iter().filter(|(_, o)| matches!(o, Outcome::Failed { .. })).count();
         let Some(winner) = best_timed(&outcomes) else {
-            let fixed = self.untuned(family);
-            if failed > 0 && oom == failed && self.loads(family, fixed) {
+            let pick = self.heuristic(family, p);
+            if failed > 0 && oom == failed {
                 // The tuning could not run (its scratch did not fit), not the kernels: the call
                 // itself may still fit. Not cached: the next call in this bucket tries again.
                 eprintln!(
-                    "lmhead: warning: tuning {family:?} for {key:?} ran out of scratch memory; using the fixed config {} untuned",
-                    fixed.suffix(family)
+                    "lmhead: warning: tuning {family:?} for {key:?} ran out of scratch memory; using the rule's pick {} untimed",
+                    pick.suffix(family)
                 );
-                return Ok(fixed);
+                return Ok(pick);
             }
             return Err(Error::Config(format!("no candidate of {family:?} ran for {key:?}: {outcomes:?}")));
         };
         let entry = Entry { winner, candidates: outcomes, seconds: start.elapsed().as_secs_f64() };
-        self.finish(key, entry, if self.mode == Mode::Table { "shortlist" } else { "exhaustive" });
+        self.finish(key, entry, if self.policy == Policy::Exhaustive { "exhaustive" } else { "short list" });
         Ok(winner)
-    }
-
-    /// Table mode, a key the table holds, measured on this device model: the table's winner
-    /// (when its kernel loads), without trials.
-    fn table_pick(&self, key: &TuneKey) -> Option<Entry> {
-        let start = std::time::Instant::now();
-        let (t, fit) = self.table.as_ref()?;
-        if self.mode != Mode::Table || !fit.exact_for(key.family) {
-            return None;
-        }
-        let e = t.exact(key)?;
-        let winner = e.ranking[0].0;
-        if !self.loads(key.family, winner) {
-            return None;
-        }
-        let candidates = e.ranking.iter().map(|&(c, rel)| (c, Outcome::Table { rel })).collect();
-        Some(Entry { winner, candidates, seconds: start.elapsed().as_secs_f64() })
-    }
-
-    /// What the first pass does with each candidate, shortlist first (its order is the table's:
-    /// the nearest key's winner is the reference).
-    fn first_pass(&self, key: &TuneKey, p: Problem) -> Vec<(TileConfig, Step)> {
-        let family = key.family;
-        let sm90 = self.device.as_ref().is_some_and(|d| d.cc.0 == 9);
-        // In table mode the family's best fixed config runs in every race: a pick must beat it.
-        let shortlist: Vec<TileConfig> = match (&self.table, self.mode) {
-            (Some((t, _)), Mode::Table) => {
-                let mut s = t.shortlist(key, SHORTLIST_KEYS, SHORTLIST_WITHIN, SHORTLIST_CAP);
-                if let Some(f) = t.fixed(family).filter(|f| !s.is_empty() && !s.contains(f)) {
-                    s.push(f);
-                }
-                s
-            }
-            _ => Vec::new(),
-        };
-        let order = shortlist.iter().copied().chain(family.candidates().iter().copied().filter(|c| !shortlist.contains(c)));
-        order
-            .map(|c| {
-                let step = if let Err(reason) = can_implement(c, self.device.as_ref(), p) {
-                    Step::Prune(reason)
-                } else if self.mode == Mode::Exhaustive {
-                    Step::Time
-                } else if sm90 && !c.is_sm90() {
-                    Step::Defer("mma.sync on sm_90: 1.7-2.3x slower than the sm90 configs at every key of the table; timed only if none of the shortlist runs".into())
-                } else if !shortlist.is_empty() && !shortlist.contains(&c) {
-                    Step::Defer("not on the table's shortlist for the nearest keys; timed only if none of the shortlist runs".into())
-                } else {
-                    Step::Time
-                };
-                (c, step)
-            })
-            .collect()
     }
 
     /// Cache `entry` and report it (always when it was slow).
@@ -444,6 +424,11 @@ impl Tuner {
     }
 }
 
+/// The rules' view of a device.
+pub fn limits_of(d: &DeviceInfo) -> heuristics::Device {
+    heuristics::Device::new(d.cc, d.sm_count, d.l2_bytes, d.max_smem_optin)
+}
+
 /// Whether `c` can run `p` on `device` (`Err` names the first broken limit).
 pub fn can_implement(c: TileConfig, device: Option<&DeviceInfo>, p: Problem) -> std::result::Result<(), String> {
     if !c.is_well_formed() {
@@ -458,15 +443,6 @@ pub fn can_implement(c: TileConfig, device: Option<&DeviceInfo>, p: Problem) -> 
         return Err(format!("d = {} is not a multiple of 8", p.d));
     }
     Ok(())
-}
-
-/// What the first pass does with a candidate.
-enum Step {
-    Time,
-    /// Not in the first pass; timed only if nothing in it runs (the reason is recorded).
-    Defer(String),
-    /// Cannot run this problem (the reason is recorded).
-    Prune(String),
 }
 
 /// The fastest timed candidate.

@@ -1,7 +1,9 @@
-//! The `tune-table` suite: exhaustive tuning of every tuned family at each of the sweep's unique
+//! The `exhaustive` suite: exhaustive tuning of every tuned family at each of the sweep's unique
 //! rank-local shapes (cheapest first, within `--budget-s`), one JSON line per tuned key with
-//! every candidate's outcome. Its files are what `cargo xtask tune-table` turns into the shipped
-//! table of tuned configs (`host/tuned/`) and the report against the best fixed configs.
+//! every candidate's trial time. Its files are what `cargo xtask heuristics` replays the rules
+//! against (`lmhead_core::heuristics`: how close each rule comes to the fastest candidate), and
+//! what a rule's ranking of candidates is read from. (Records before this suite's name were
+//! written by the `tune-table` suite, in the same format.)
 //!
 //! Resumable and mergeable: `--resume FILE` (repeatable) skips the shapes whose records a
 //! previous run's file already holds; records are keyed by their `TuneKey`, so files from
@@ -11,8 +13,9 @@ use std::collections::BTreeSet;
 use std::io::Write as _;
 use std::time::Instant;
 
-use lmhead::tune::TuneKey;
-use lmhead::LmHead;
+use lmhead::tune::cache::{default_path, Cache};
+use lmhead::tune::{Policy, TuneKey, Tuner};
+use lmhead::{Gpu, LmHead};
 
 use crate::suites::Suite;
 use crate::Args;
@@ -38,6 +41,15 @@ fn done_shapes(files: &[String]) -> BTreeSet<(usize, usize, usize)> {
     done
 }
 
+/// A head on device 0 that tunes every candidate on the real shape (its cache where
+/// `LmHead::new`'s would be).
+pub fn head() -> lmhead::Result<LmHead> {
+    let gpu = Gpu::new(0)?;
+    let info = gpu.info().clone();
+    let cache = Cache::open(default_path(&info.fingerprint()), &info.fingerprint());
+    Ok(LmHead::with_tuner(gpu, Tuner::new(Policy::Exhaustive, Some(info), cache)))
+}
+
 pub fn run(head: &LmHead, args: &Args, gpu: &str, commit: &str) {
     let done = done_shapes(&args.resume);
     let cases: Vec<_> = Suite::Sweep
@@ -48,7 +60,7 @@ pub fn run(head: &LmHead, args: &Args, gpu: &str, commit: &str) {
         .skip(args.skip)
         .collect();
     println!(
-        "# lmhead-bench tune-table on {gpu}, commit {commit}: {} shapes to tune ({} already in --resume files), exhaustive, cheapest first",
+        "# lmhead-bench exhaustive on {gpu}, commit {commit}: {} shapes to tune ({} already in --resume files), every candidate, cheapest first",
         cases.len(),
         done.len()
     );
@@ -75,8 +87,7 @@ pub fn run(head: &LmHead, args: &Args, gpu: &str, commit: &str) {
         let tuning: f64 = new.iter().map(|(_, e)| e.seconds).sum();
         for (key, entry) in &new {
             let rec = serde_json::json!({
-                "suite": "tune-table", "gpu": gpu, "commit": commit, "ptx_hash": lmhead::ptx::ptx_hash(),
-                "family_hashes": lmhead::ptx::family_hashes(),
+                "suite": "exhaustive", "gpu": gpu, "commit": commit,
                 "timestamp": crate::unix_now(),
                 "shape": {"t": c.t, "v": c.v, "d": c.d, "case": c.name()},
                 "complete": false, "key": key, "entry": entry,
@@ -85,7 +96,7 @@ pub fn run(head: &LmHead, args: &Args, gpu: &str, commit: &str) {
         }
         // A marker that every family of this shape was tuned (what --resume skips on).
         let marker = serde_json::json!({
-            "suite": "tune-table", "gpu": gpu, "commit": commit,
+            "suite": "exhaustive", "gpu": gpu, "commit": commit,
             "shape": {"t": c.t, "v": c.v, "d": c.d, "case": c.name()},
             "complete": failed.is_none(), "error": failed, "keys": new.len(), "tuning_s": tuning, "wall_s": wall,
         });
