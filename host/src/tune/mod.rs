@@ -16,7 +16,7 @@
 //!   round, and the winner and every outcome are cached, also on disk ([`cache`]). A problem too
 //!   large to time whole ([`CanTime::TooLarge`]) takes the rule's pick, cached: short trials on a
 //!   slice of a problem picked worse than one config per family in the steady state (−1.7 to
-//!   −2.2% on average at the forwards, `docs/results/sweep-versus-fixed-2026-11-30.jsonl`). A
+//!   −2.2% on average at the forwards, `b728f4d:docs/results/sweep-versus-fixed-2026-11-30.jsonl`). A
 //!   stream being captured into a CUDA graph ([`CanTime::Capturing`]) takes the rule's pick,
 //!   not cached: a trial would be captured instead of run.
 //! - **exhaustive** — for benches only ([`Tuner::new`] with [`Policy::Exhaustive`]): every

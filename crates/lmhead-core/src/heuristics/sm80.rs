@@ -2,7 +2,7 @@
 //! that is not sm_90, and an sm_90 device whose Hopper kernels do not load.
 //!
 //! Each family's `mma.sync` candidates are ranked by the H200's exhaustive trials, where every
-//! candidate ran, these included (`docs/results/tune-table-2026-11-30.jsonl`, `bash
+//! candidate ran, these included (`docs/results/exhaustive-2026-11-30.jsonl`, `bash
 //! .gpu/run-gpu.sh tune-table`, now `exhaustive`): geometric-mean slowdown against the fastest
 //! `mma.sync` config of each key, and wins, over the keys of up to 16384 tokens (78 forward keys
 //! with and without entropy, 36 d-logits, 18 `dh`, 18 `dW`) and beyond (52, 24, 12, 12); the

@@ -2,16 +2,16 @@
 //!
 //! **Configs.** The sm90 configs of a family are within a few percent of each other almost
 //! everywhere, and the exhaustive trials (every candidate timed at the real shape, median of 5
-//! with confirmation rounds: `docs/results/tune-table-2026-11-30.jsonl`, `bash .gpu/run-gpu.sh
+//! with confirmation rounds: `docs/results/exhaustive-2026-11-30.jsonl`, `bash .gpu/run-gpu.sh
 //! tune-table`, now `exhaustive`; 65 shapes of the sweep) pick among them by margins the steady
 //! state does not keep: with those picks against one config per family, all 104 sweep shapes timed
-//! on two heads in the same rounds (`docs/results/sweep-versus-fixed-table-policy-2026-11-30.jsonl`,
+//! on two heads in the same rounds (`docs/results/versus-fixed-2026-11-30.jsonl`,
 //! `BENCH_ARGS="--versus-fixed --reps 3" bash .gpu/run-gpu.sh sweep`), the shapes where the picks
 //! differed ran no faster than those where both heads ran the same configs (the order of the heads
 //! in a round alone gave the first one 0.6–1.1%). So each family has one config, with one
 //! exception that the steady state does keep (`dh` at d = 5120 and few tokens), and the
 //! `mma.sync` configs never: 1.7–2.3× slower than the sm90 ones at every key of the trials.
-//! Against those trials (`cargo xtask heuristics docs/results/tune-table-2026-11-30.jsonl`) a
+//! Against those trials (`cargo xtask heuristics docs/results/exhaustive-2026-11-30.jsonl`) a
 //! training step estimated from the trial times, `fwd_ent + chunks × (dlogits_ent + dh + dW)`,
 //! takes the rules' picks within 0.5% of the fastest candidates' at 34 of the 65 shapes and
 //! within 1% at 54: +0.61% mean, +0.47% median, +5.0% at most (16384 × 16032 × 4096, a `dW`
@@ -32,7 +32,7 @@ use super::{tiles, Device, Shortlist};
 /// Exhaustive trials (65 shapes): within 1% of the fastest candidate at 42 (log-prob) and 51
 /// (entropy) of 65, within 2% at 51 and 55, geometric-mean slowdown 1.0121 and 1.0069; the
 /// largest gap 18.9% (32768 × 19008 × 5120, where the 4-stage config won the trial). In the
-/// steady state (`sweep-versus-fixed-table-policy`), at the 28 (22) shapes whose trial winner
+/// steady state (`versus-fixed-2026-11-30.jsonl`), at the 28 (22) shapes whose trial winner
 /// was another config, that winner ran the forward 0.995× (1.000× with entropy) the time of this
 /// one, mean, against 0.989× (0.994×) at the shapes where both heads ran this one: no gain; the
 /// n128 s6 winners ran 1.002× and 1.017×, slower.
@@ -51,7 +51,7 @@ const FWD_ALTERNATES: [TileConfig; 1] = [tw(256, 4)];
 /// trials' other picks (mostly n128 s6 at d = 2048, which won its trials by 0.6–2%) ran the
 /// training step 1.5% slower on average than this config, up to 6.2% (65536 × 124160 × 2048:
 /// 243.5 against 229.2 ms), over the 50 sweep shapes where they differed
-/// (`docs/results/sweep-versus-fixed-2026-11-30.jsonl`, `BENCH_ARGS="--versus-fixed --reps 5"
+/// (`b728f4d:docs/results/sweep-versus-fixed-2026-11-30.jsonl`, `BENCH_ARGS="--versus-fixed --reps 5"
 /// bash .gpu/run-gpu.sh sweep`). The register-store configs ran 7–10% slower in the trials. So
 /// the tuner gets no alternates: trials of these kernels pick wrong.
 pub const DLOGITS: TileConfig = ts(256, 4);
@@ -80,7 +80,7 @@ const DH_ALTERNATES: [TileConfig; 3] = [DH, ts(256, 3), DH_NARROW];
 /// steady state did not repeat: there the two ran the step within 0.2%). Over the 26 sweep shapes
 /// where the trials' `dW` pick alone differed from this one, the step ran 1.0019× this one's
 /// time, mean, against 0.9977× at the 55 shapes where all three backward configs were the same
-/// (`sweep-versus-fixed-table-policy`).
+/// (`versus-fixed-2026-11-30.jsonl`).
 pub const DW: TileConfig = tw(256, 4);
 
 /// The `dW` alternates for the tuner: the 3-stage twin (trials 1.018, 8 wins of 30; n128 s6:
@@ -94,7 +94,7 @@ const DW_ALTERNATES: [TileConfig; 1] = [tw(256, 3)];
 /// into at most 640 tiles: 128 × 128 tiles won the exhaustive trials there by 9.8% (t = 2048)
 /// and 12.9% (t = 4096), and the steady state kept it: the training step ran 0.948×, 0.946× and
 /// 0.976× the fixed config's time at 2048 × 152064 × 5120, 4096 × 76032 × 5120 and
-/// 4096 × 152064 × 5120 (`sweep-versus-fixed-table-policy`), where no other config differed.
+/// 4096 × 152064 × 5120 (`versus-fixed-2026-11-30.jsonl`), where no other config differed.
 /// At t = 8192 (and beyond) the wide tile won again (by 19.6% at 8192 × 8192 × 5120). The
 /// trials' other `dh` picks (at 16 shapes) ran the step 1.0067× the fixed config's time, mean:
 /// not kept. Measured at d = 5120 only; other hidden sizes that are not powers of two take the
