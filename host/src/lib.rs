@@ -9,11 +9,14 @@
 //! - [`LmHead`] runs the Rust-written kernels on an H100/H200 through `cudarc`.
 //! - [`cpu`] is the f64 reference, the backend on machines without a GPU.
 //! - [`tp`] adds vocab-parallel tensor parallelism (and documents context parallelism).
+//! - [`active`]: both passes compute only the rows the loss reads (labels not `ignore_index`),
+//!   compacted into the workspace.
 //!
 //! Every call validates its shapes, lengths, alignment, options and (by default) labels, and
 //! answers bad input with an [`Error`], never a panic or a plausible wrong number.
 //!
-//! The public API is what this root re-exports, and the modules [`cpu`], [`tp`] and [`tune`].
+//! The public API is what this root re-exports, and the modules [`active`], [`cpu`], [`tp`] and
+//! [`tune`].
 //! Everything else is internal. With the cargo feature `testing` (enabled by the workspace's
 //! tests and benches and by the Python bindings) the internals those need are public too:
 //! `launch` (the launches, for the unit-kernel tests), `ptx` (the embedded modules), `validate`
@@ -33,6 +36,7 @@ macro_rules! internal_mod {
     )*};
 }
 
+pub mod active;
 mod borrowed;
 mod bwd;
 pub mod cpu;
@@ -60,6 +64,7 @@ pub use half::bf16;
 pub use lmhead_core::config::{Mainloop, Store};
 pub use lmhead_core::{Family, Problem, TileConfig, TokenBucket};
 
+pub use active::Compaction;
 pub use borrowed::{borrowed_stream, Borrowed};
 pub use bwd::{
     auto_chunk, balanced_chunk, BwdConfigs, BwdInputs, BwdOptions, BwdReport, GradOut, MAX_AUTO_CHUNK, MIN_AUTO_CHUNK, STAGING_BUDGET_BYTES,

@@ -12,6 +12,7 @@
 extern crate std;
 
 pub mod bucket;
+pub mod compact;
 pub mod config;
 pub mod lse;
 pub mod params;
