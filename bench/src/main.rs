@@ -2,7 +2,7 @@
 //! the same run. Prints a markdown table, appends JSON lines to a results file.
 //!
 //! ```text
-//! lmhead-bench [quick|sweep|probe|entropy|tp|tune-table|dh-probe|config-probe]
+//! lmhead-bench [quick|sweep|probe|entropy|tp|active|tune-table|dh-probe|config-probe]
 //!              [--filter SUBSTR] [--budget-s N]
 //!              [--reps N] [--out results.jsonl] [--fallback | --fixed | --versus-fixed]
 //!              [--no-check] [--skip N]
@@ -22,6 +22,8 @@
 //! --filter T,V,D[;T,V,D…]` each sm90 forward and `dh` candidate in the steady state
 //! (`config_probe.rs`).
 //!
+//! `active` times masked batches against the dense call and the compacted ideal (`active.rs`).
+//!
 //! `--check-labels` times the forwards with `FwdOptions::check_labels` on (the label check
 //! kernel and its synchronous 8-byte read before each forward); by default it is off, so the
 //! forward's times are the kernels' alone.
@@ -40,6 +42,7 @@
 //! (`plan_overrides`). FLOPs: one logits GEMM is `2·t·v·d`; forward+backward does four (logits,
 //! recompute, dh, dW).
 
+mod active;
 mod config_probe;
 mod cublas;
 mod dh_probe;
@@ -511,7 +514,7 @@ fn main() {
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
-            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp|tune-table|dh-probe|config-probe] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback | --fixed | --versus-fixed] [--no-check] [--skip N] [--bwd-chunk N] [--check-labels] [--fixed-order] [--resume FILE]");
+            eprintln!("{e}\nusage: lmhead-bench [quick|sweep|probe|entropy|tp|active|tune-table|dh-probe|config-probe] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback | --fixed | --versus-fixed] [--no-check] [--skip N] [--bwd-chunk N] [--check-labels] [--fixed-order] [--resume FILE]");
             std::process::exit(2);
         }
     };
@@ -555,6 +558,10 @@ fn main() {
         tp::run(&args, &info.name, &commit());
         return;
     }
+    if args.suite == "active" {
+        active::run(&head, &stream, &args, &info);
+        return;
+    }
     if args.suite == "tune-table" {
         table::run(&head, &args, &info.name, &commit());
         return;
@@ -574,7 +581,7 @@ fn main() {
         return;
     }
     let suite = Suite::named(&args.suite).unwrap_or_else(|| {
-        eprintln!("unknown suite `{}` (quick, sweep, probe, entropy, tp)", args.suite);
+        eprintln!("unknown suite `{}` (quick, sweep, probe, entropy, tp, active)", args.suite);
         std::process::exit(2)
     });
     if let Suite::Probe = suite {

@@ -117,7 +117,9 @@ pub enum Compaction {
 pub enum Pass {
     Forward,
     /// The backward, with `dh`'s element size in bytes (2 or 4).
-    Backward { dh_bytes: usize },
+    Backward {
+        dh_bytes: usize,
+    },
 }
 
 /// What a call does with its `n` active rows of `t`.
@@ -299,7 +301,14 @@ fn model_v(v: usize, v_total: usize, comm: Option<&dyn Communicator>) -> usize {
 
 /// The forward of a call whose active rows were counted (`n` of them): dense, nothing, or
 /// compacted (module docs).
-pub(crate) fn forward(head: &LmHead, ws: &mut Workspace, stream: &Arc<CudaStream>, f: &FwdDev, opts: &FwdOptions, n: usize) -> Result<FwdReport> {
+pub(crate) fn forward(
+    head: &LmHead,
+    ws: &mut Workspace,
+    stream: &Arc<CudaStream>,
+    f: &FwdDev,
+    opts: &FwdOptions,
+    n: usize,
+) -> Result<FwdReport> {
     let Dims { t, v, d } = f.x.dims;
     match plan_for(opts.compaction, Pass::Forward, t, n, model_v(v, f.shard.v_total, f.comm), d) {
         Plan::Dense => head.forward_dev(ws, stream, f, opts),

@@ -26,13 +26,13 @@ use cudarc::driver::{CudaEvent, CudaStream, DevicePtr, DevicePtrMut};
 use lmhead_core::config::{Family, TileConfig};
 use lmhead_core::Problem;
 
+use crate::active::Compaction;
 use crate::error::{Context as _, Error, Result};
 use crate::launch::{self, dev_in, dev_out, Chunk, Dev, Dims, DlogitsIn, GemmC, GemmIn, GemmOut, LogitsIn, Scalars};
 use crate::tp::{Communicator, ReduceDh, Shard, TpBackward};
 use crate::tune::{Choice, TuneKey};
 use crate::validate;
 use crate::workspace::{zeros, Side};
-use crate::active::Compaction;
 use crate::{bf16, LabelType, LmHead};
 
 /// The staging buffer the automatic chunk width aims for: `t · S` bf16 within 512 MiB.

@@ -12,13 +12,13 @@ use lmhead_core::config::{Family, TileConfig};
 use lmhead_core::split;
 use lmhead_core::Problem;
 
+use crate::active::Compaction;
 use crate::error::{Context as _, Error, Result};
 use crate::launch::{self, dev_in, dev_out, Dev, Dims, Labels, LogitsIn, MergeOuts, MergeRows, MergeStep, Scalars};
 use crate::tp::{Communicator, Shard};
 use crate::tune::{Choice, Mode, TuneKey};
 use crate::validate;
 use crate::workspace::zeros;
-use crate::active::Compaction;
 use crate::{bf16, LabelType, LmHead};
 
 /// Inputs of a forward call. `h` is `[t][d]`, `W` is `[v][d]` (bf16, rows contiguous), labels `[t]`.

@@ -378,7 +378,12 @@ impl Workspace {
 
     /// Bytes currently held.
     pub fn bytes(&self) -> usize {
-        self.partials.bytes() + self.row_state.bytes() + self.status.bytes() + self.staging.bytes() + self.dh_acc.bytes() + self.active.bytes()
+        self.partials.bytes()
+            + self.row_state.bytes()
+            + self.status.bytes()
+            + self.staging.bytes()
+            + self.dh_acc.bytes()
+            + self.active.bytes()
     }
 
     pub fn release(&mut self) {

@@ -17,8 +17,8 @@ use std::sync::Arc;
 use lmhead::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use lmhead::testing::{download_f32, poison, upload, upload_bf16};
 use lmhead::{
-    bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, Error, Family, FwdInputs, FwdOptions, FwdOutputs, GradOut, LmHead, LocalComm, Problem,
-    Shard,
+    bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, Compaction, Error, Family, FwdInputs, FwdOptions, FwdOutputs, GradOut, LmHead,
+    LocalComm, Problem, Shard,
 };
 use lmhead_reference::rng::Rng;
 use lmhead_reference::{backward_dw_rows, forward_rows, Case, Grads, Inputs, Structure};
