@@ -4,9 +4,10 @@
 //! backward, when in addition at least one given upstream gradient of the row is non-zero (a
 //! row whose given gradients are exactly zero adds exactly zero to `dh` and `dW`; a NaN gradient
 //! is not zero). Inactive rows get what the dense call gives them: log-prob 0, entropy 0, a zero
-//! `dh` row and no `dW` contribution. Two things differ: the forward does not compute an
-//! inactive row's log-sum-exp and writes `+∞` there, and a non-finite input (`h` row, saved lse
-//! or entropy) in a row whose gradients are zero no longer reaches `dh` and `dW` as NaN.
+//! `dh` row and no `dW` contribution. Where a call skips them (its report's `rows` is below `t`),
+//! two things differ: the forward does not compute their log-sum-exp and writes `+∞` there, and
+//! a non-finite input (`h` row, saved lse or entropy) in a row whose gradients are zero no longer
+//! reaches `dh` and `dW` as NaN.
 //!
 //! *Why `+∞` for the lse:* the backward's d-logits form `p = e^{z − lse}` in every row they run
 //! and multiply it by the row's coefficients, which are zero in an ignored row. A backward that
@@ -35,7 +36,9 @@
 //!    gathers the per-row values (labels in their width, and in the backward lse, entropy and
 //!    the upstream gradients) into compact buffers; `COPY_ROWS` gathers the rows of `h`.
 //! 3. The dense forward or backward runs unchanged on the compact problem of `n` rows (its
-//!    configs are those of `n` rows' token bucket; `dW` sums over the compact rows).
+//!    configs are those of `n` rows' token bucket, tuned on first use like any other bucket:
+//!    [`LmHead::warm_up`](crate::LmHead::warm_up) with the active counts covers them; `dW` sums
+//!    over the compact rows).
 //! 4. `MAP_VALUES` writes the forward's outputs for every row (the compact values, or 0, `+∞`,
 //!    0 for inactive rows); `COPY_ROWS` writes `dh` for every row (the compact rows, or zeros),
 //!    in the caller's element type.
@@ -45,8 +48,8 @@
 //! those of `t` rows' token bucket).
 //!
 //! **Where no host read is allowed, every row runs** (correct, not faster): the forward with the
-//! label check off, and either pass on a stream being captured into a CUDA graph
-//! ([`host_read_allowed`]); also the naive forward.
+//! label check off, and either pass on a stream being captured into a CUDA graph (its capture
+//! status is read first); also the naive forward.
 //!
 //! **When compaction pays** ([`plan`]): it moves `n·d·(2 + 2)` bytes (the gather of `h`, read and
 //! written) and in the backward `n·d·2·e` more (`dh`'s compact rows written by the GEMM and read
