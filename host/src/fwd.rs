@@ -44,10 +44,11 @@ pub struct FwdOptions {
     pub temperature: f32,
     /// Rows with this label report log-prob 0 and entropy 0 (and get no gradient). Default −100.
     pub ignore_index: i64,
-    /// Check every label before anything runs (one small kernel and an 8-byte synchronous read)
-    /// and fail with [`Error::BadLabel`] (first offending row and its label) when one is outside
-    /// `[0, v)` and not `ignore_index`; nothing is tuned or written then. Without the check such
-    /// rows come out NaN and the call succeeds. Default true.
+    /// Check every label before anything runs (one small kernel and a 12-byte synchronous read,
+    /// which also brings back the active rows' count, [`crate::active`]) and fail with
+    /// [`Error::BadLabel`] (first offending row and its label) when one is outside `[0, v)` and
+    /// not `ignore_index`; nothing is tuned or written then. Without the check such rows come
+    /// out NaN and the call succeeds, and every row is computed. Default true.
     pub check_labels: bool,
     /// How the tile config is chosen. Default [`Choice::Auto`].
     pub config: Choice,
