@@ -2,7 +2,7 @@
 # Runs on the GPU machine (no Rust there): the bundled test and bench binaries from `.gpu/`
 # (built by `cargo xtask gpu-bundle`). Usage, from the repository root on that machine:
 #
-#   bash .gpu/run-gpu.sh [steps...]     steps: info tests fills quick peers sweep probe entropy tp exhaustive sanitize ncu plans sass (default: info tests quick)
+#   bash .gpu/run-gpu.sh [steps...]     steps: info tests fills quick peers sweep probe entropy tp active exhaustive sanitize ncu plans sass (default: info tests quick)
 #
 # Logs go to $OUT (or ./gpu-out when OUT is unset). Each step has a time limit so that one hung
 # step cannot eat the whole session. Set FILTER to pass a test-name filter to the test binaries,
@@ -24,7 +24,7 @@ run_tests() {
   cat "$OUT/test.tmp" >> "$OUT/$2"
   grep -E "^test .*(FAILED|ok)$|test result|panicked|SKIP" "$OUT/test.tmp" | head -60
   grep -A3 "panicked" "$OUT/test.tmp" | grep -v "^stack\|^ *[0-9]*:" | head -40
-  [ "$2" = tests.log ] && grep -hE "^\[.*\] (fwd|bwd|tp|rel) " "$OUT/test.tmp" >> "$OUT/records.txt"
+  [ "$2" = tests.log ] && grep -hE "^\[.*\] (fwd|bwd|tp|cp|rel) " "$OUT/test.tmp" >> "$OUT/records.txt"
   rm -f "$OUT/test.tmp"
 }
 # The four compute-sanitizer tools over gpu_reliability's sanitizer_* test; summary to
@@ -45,7 +45,7 @@ for s in "${steps[@]}"; do
   case "$s" in
     info) nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/info.txt" ;;
     tests)
-      for t in ${TESTS:-gpu_units gpu_fwd gpu_bwd tp gpu_reliability tuner reference}; do
+      for t in ${TESTS:-gpu_units gpu_fwd gpu_bwd gpu_active tp gpu_reliability tuner reference}; do
         [ -x "$B/$t" ] || continue
         echo "== $t"
         run_tests "$t" tests.log "${FILTER:-}"
@@ -64,11 +64,11 @@ for s in "${steps[@]}"; do
         echo "== sanitizers (forced fillers)" | tee -a "$OUT/sanitize.log"
         run_sanitizers
       ) ;;
-    quick|peers|sweep|entropy|probe|tp|exhaustive)
+    quick|peers|sweep|entropy|probe|tp|active|exhaustive)
       echo "== bench $s"
-      # tp and exhaustive records are other kinds: their own files (`cargo xtask heuristics`
-      # replays the rules against exhaustive ones).
-      res="$OUT/bench.jsonl"; [ "$s" = tp ] && res="$OUT/bench-tp.jsonl"; [ "$s" = exhaustive ] && res="$OUT/exhaustive.jsonl"
+      # tp, active and exhaustive records are other kinds: their own files (`cargo xtask
+      # heuristics` replays the rules against exhaustive ones).
+      res="$OUT/bench.jsonl"; [ "$s" = tp ] && res="$OUT/bench-tp.jsonl"; [ "$s" = active ] && res="$OUT/bench-active.jsonl"; [ "$s" = exhaustive ] && res="$OUT/exhaustive.jsonl"
       timeout ${BENCH_TIMEOUT:-500} "$B/lmhead-bench" "$s" --out "$res" ${BUDGET:+--budget-s $BUDGET} ${BENCH_ARGS:-} 2>>"$OUT/bench.err" | tee -a "$OUT/bench-$s.md"
       tail -3 "$OUT/bench.err" ;;
     sanitize) run_sanitizers ;;

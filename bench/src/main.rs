@@ -2,7 +2,7 @@
 //! the same run. Prints a markdown table, appends JSON lines to a results file.
 //!
 //! ```text
-//! lmhead-bench [quick|peers|sweep|probe|entropy|tp|exhaustive|dh-probe|config-probe]
+//! lmhead-bench [quick|peers|sweep|probe|entropy|tp|active|exhaustive|dh-probe|config-probe]
 //!              [--filter SUBSTR] [--budget-s N]
 //!              [--reps N] [--out results.jsonl] [--fallback | --fixed | --versus-fixed]
 //!              [--no-check] [--skip N]
@@ -25,6 +25,8 @@
 //! --filter T,V,D[;T,V,D…]` each sm90 forward and `dh` candidate in the steady state
 //! (`config_probe.rs`).
 //!
+//! `active` times masked batches against the dense call and the compacted ideal (`active.rs`).
+//!
 //! `--check-labels` times the forwards with `FwdOptions::check_labels` on (the label check
 //! kernel and its synchronous 8-byte read before each forward); by default it is off, so the
 //! forward's times are the kernels' alone. `--dw-after-dh` runs the backward with
@@ -45,6 +47,7 @@
 //! launch plans (`fwd_plan`, `fwd_ent_plan`). FLOPs: one logits GEMM is `2·t·v·d`;
 //! forward+backward does four (logits, recompute, dh, dW).
 
+mod active;
 mod args;
 mod config_probe;
 mod cublas;
@@ -130,6 +133,10 @@ fn main() {
         tp::run(&args, &info.name, &commit());
         return;
     }
+    if args.suite == "active" {
+        active::run(&head, &stream, &args, &info);
+        return;
+    }
     if args.suite == "exhaustive" {
         exhaustive::run(&head, &args, &info.name, &commit());
         return;
@@ -149,7 +156,7 @@ fn main() {
         return;
     }
     let suite = Suite::named(&args.suite).unwrap_or_else(|| {
-        eprintln!("unknown suite `{}` (quick, peers, sweep, probe, entropy, tp, exhaustive, dh-probe, config-probe)", args.suite);
+        eprintln!("unknown suite `{}` (quick, peers, sweep, probe, entropy, tp, active, exhaustive, dh-probe, config-probe)", args.suite);
         std::process::exit(2)
     });
     if let Suite::Probe = suite {

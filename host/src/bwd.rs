@@ -30,6 +30,7 @@ use lmhead_core::config::{Family, TileConfig};
 use lmhead_core::heuristics;
 use lmhead_core::Problem;
 
+use crate::active::Compaction;
 use crate::error::{Context as _, Error, Result};
 use crate::launch::{self, dev_in, dev_out, Chunk, Dev, Dims, DlogitsIn, GemmC, GemmIn, GemmOut, LogitsIn, Scalars};
 use crate::tp::{Communicator, ReduceDh, Shard, TpBackward};
@@ -82,6 +83,12 @@ pub struct BwdOptions {
     /// Config choices of the d-logits kernel and the two GEMMs.
     #[cfg(feature = "testing")]
     pub config: BwdConfigs,
+    /// Whether only the active rows (label not `ignore_index` and a non-zero given upstream
+    /// gradient) are computed, compacted into the workspace ([`crate::active`]; one small
+    /// synchronous read for their count). Inactive rows get a zero `dh` row and no `dW`
+    /// contribution, as in the dense call; but a non-finite input in a row whose gradients are
+    /// zero no longer reaches `dh` and `dW` as NaN. Default [`Compaction::Auto`].
+    pub compaction: Compaction,
 }
 
 /// How each backward kernel's config is chosen.
@@ -108,6 +115,7 @@ impl Default for BwdOptions {
             dw_beside_dh: heuristics::DW_BESIDE_DH,
             #[cfg(feature = "testing")]
             config: BwdConfigs::all(Choice::Auto),
+            compaction: Compaction::Auto,
         }
     }
 }
@@ -126,7 +134,7 @@ impl BwdOptions {
 #[derive(Clone, Debug, PartialEq)]
 pub struct BwdReport {
     /// The kernels that ran (entry names, which spell their tile configs): the d-logits, `dh`,
-    /// and `dW` (`None` when `dW` was not asked for).
+    /// and `dW` (`None` when `dW` was not asked for); empty names when no row was active.
     pub dlogits: String,
     pub dh: String,
     pub dw: Option<String>,
@@ -137,6 +145,9 @@ pub struct BwdReport {
     pub dw_beside_dh: bool,
     /// Bytes of workspace the call used (staging + accumulator).
     pub workspace_bytes: usize,
+    /// Rows the kernels ran: the active rows when the call compacted them ([`crate::active`];
+    /// 0 when none was active: then nothing ran and `chunks` is 0), else `t`.
+    pub rows: usize,
 }
 
 /// Staging stride for a chunk width: a multiple of 8 (16-byte rows).
@@ -144,18 +155,19 @@ fn stride_of(chunk: usize) -> usize {
     chunk.next_multiple_of(8)
 }
 
-struct Out<'a> {
-    dev: Dev<'a>,
-    f32: bool,
+/// A gradient output as a device buffer: its element type is f32 or bf16.
+pub(crate) struct Out<'a> {
+    pub dev: Dev<'a>,
+    pub f32: bool,
 }
 
 /// The validated inputs of a backward call, as device buffers: the logits operands and what the
 /// d-logits read besides.
 #[derive(Clone, Copy)]
-struct BwdDev<'a, 'b> {
-    p: Problem,
-    x: LogitsIn<'a, 'b>,
-    g: DlogitsIn<'a, 'b>,
+pub(crate) struct BwdDev<'a, 'b> {
+    pub p: Problem,
+    pub x: LogitsIn<'a, 'b>,
+    pub g: DlogitsIn<'a, 'b>,
 }
 
 fn grad_out<'a>(g: &'a mut GradOut<'_>, stream: &'a CudaStream, what: &'static str) -> Result<Out<'a>> {
@@ -231,17 +243,24 @@ impl LmHead {
             x: LogitsIn { dims: Dims { t: p.t, v: p.v, d: p.d }, sc, h: &h, w: &w, labels: &labels },
             g: DlogitsIn { lse: &lse, grad_logprob: gl.as_ref(), ent: ent.as_ref().map(|(a, b)| (a, b)) },
         };
-        self.backward_dev(stream, opts, reduce_dh, &x, &dh, dw.as_ref())
+        let mut guard = self.call_ws();
+        let ws = &mut *guard;
+        if crate::active::counts_bwd(opts, stream) {
+            return crate::active::backward(self, ws, stream, (opts, reduce_dh, shard.v_total), &x, (&dh, dw.as_ref()));
+        }
+        self.backward_dev(ws, stream, opts, reduce_dh, &x, (&dh, dw.as_ref()))
     }
 
-    fn backward_dev(
+    /// The backward of a validated call on its device buffers, every row of `x` computed (the
+    /// dense call; [`crate::active`] calls it on the compacted rows).
+    pub(crate) fn backward_dev(
         &self,
+        ws: &mut crate::workspace::Workspace,
         stream: &Arc<CudaStream>,
         opts: &BwdOptions,
         reduce_dh: Option<&dyn Communicator>,
         x: &BwdDev,
-        dh: &Out,
-        dw: Option<&Out>,
+        (dh, dw): (&Out, Option<&Out>),
     ) -> Result<BwdReport> {
         let p = x.p;
         let (h, w) = (x.x.h, x.x.w);
@@ -257,10 +276,8 @@ impl LmHead {
         };
         let stride = stride_of(chunk);
         let chunks = p.v.div_ceil(chunk);
-        let mut guard = self.call_ws();
         let overlap = dw.is_some() && opts.dw_beside_dh;
         {
-            let ws = &mut *guard;
             // dW beside dh (one chunk's two GEMMs read the same staging and write disjoint
             // outputs): on the side stream after the chunk's d-logits, joined back before the
             // next chunk's d-logits overwrite the staging buffer.
@@ -328,7 +345,7 @@ impl LmHead {
                 crate::tp::reduce_dh(&self.gpu, stream, comm, p.t * p.d, acc, reduce_bf16.then_some(&dh.dev))?;
             }
         }
-        let workspace_bytes = guard.staging.bytes() + guard.dh_acc.bytes();
+        let workspace_bytes = ws.staging.bytes() + ws.dh_acc.bytes();
         let fam_dl = if x.g.ent.is_some() { Family::BwdDlogitsEnt } else { Family::BwdDlogits };
         let name = lmhead_core::config::kernel_name;
         Ok(BwdReport {
@@ -339,6 +356,7 @@ impl LmHead {
             chunks,
             dw_beside_dh: overlap,
             workspace_bytes,
+            rows: p.t,
         })
     }
 

@@ -12,8 +12,9 @@ use lmhead_core::config::{Family, TileConfig};
 use lmhead_core::split;
 use lmhead_core::Problem;
 
+use crate::active::Compaction;
 use crate::error::{Context as _, Error, Result};
-use crate::launch::{self, dev_in, dev_out, Dims, Labels, LogitsIn, MergeOuts, MergeRows, MergeStep, Scalars};
+use crate::launch::{self, dev_in, dev_out, Dev, Dims, Labels, LogitsIn, MergeOuts, MergeRows, MergeStep, Scalars};
 use crate::tp::{Communicator, Shard};
 use crate::tune::{Choice, TuneKey};
 use crate::validate;
@@ -44,10 +45,11 @@ pub struct FwdOptions {
     pub temperature: f32,
     /// Rows with this label report log-prob 0 and entropy 0 (and get no gradient). Default −100.
     pub ignore_index: i64,
-    /// Check every label before anything runs (one small kernel and an 8-byte synchronous read)
-    /// and fail with [`Error::BadLabel`] (first offending row and its label) when one is outside
-    /// `[0, v)` and not `ignore_index`; nothing is tuned or written then. Without the check such
-    /// rows come out NaN and the call succeeds. Default true.
+    /// Check every label before anything runs (one small kernel and a 12-byte synchronous read,
+    /// which also brings back the active rows' count, [`crate::active`]) and fail with
+    /// [`Error::BadLabel`] (first offending row and its label) when one is outside `[0, v)` and
+    /// not `ignore_index`; nothing is tuned or written then. Without the check such rows come
+    /// out NaN and the call succeeds, and every row is computed. Default true.
     pub check_labels: bool,
     /// How the tile config is chosen. Default [`Choice::Auto`].
     #[cfg(feature = "testing")]
@@ -55,6 +57,11 @@ pub struct FwdOptions {
     /// Run the level-00 kernel (no tensor cores) instead: a second GPU reference.
     #[cfg(feature = "testing")]
     pub naive: bool,
+    /// Whether only the active rows (label not `ignore_index`) are computed, compacted into the
+    /// workspace ([`crate::active`]). They are counted by the label check, so compaction needs
+    /// `check_labels`. Rows a call skips report log-prob 0, entropy 0 and lse `+∞`
+    /// ([`FwdReport::rows`] says how many ran). Default [`Compaction::Auto`].
+    pub compaction: Compaction,
 }
 
 impl Default for FwdOptions {
@@ -67,6 +74,7 @@ impl Default for FwdOptions {
             config: Choice::Auto,
             #[cfg(feature = "testing")]
             naive: false,
+            compaction: Compaction::Auto,
         }
     }
 }
@@ -101,6 +109,21 @@ pub struct FwdReport {
     pub raster_group: u32,
     /// Tiles of every split that a filler block took (0 = no fillers).
     pub fill: u32,
+    /// Rows the kernels ran: the active rows when the call compacted them ([`crate::active`];
+    /// 0 when none was active and nothing ran), else `t`.
+    pub rows: usize,
+}
+
+/// A validated forward call as device buffers: the logits operands, the vocab shard, the
+/// communicator (tensor parallelism) and the outputs `[t]`.
+#[derive(Clone, Copy)]
+pub(crate) struct FwdDev<'a, 'b> {
+    pub x: LogitsIn<'a, 'b>,
+    pub shard: Shard,
+    pub comm: Option<&'b dyn Communicator>,
+    pub logprob: &'b Dev<'a>,
+    pub lse: &'b Dev<'a>,
+    pub entropy: Option<&'b Dev<'a>>,
 }
 
 impl LmHead {
@@ -174,22 +197,42 @@ impl LmHead {
         let sc = Scalars { inv_temp, ignore_index: opts.ignore_index, v_begin: shard.v_begin as i64 };
         let dims = Dims { t: p.t, v: p.v, d: p.d };
         let x = LogitsIn { dims, sc, h: &h, w: &w, labels: &labels };
+        let f = FwdDev { x, shard, comm, logprob: &logprob, lse: &lse, entropy: entropy.as_ref() };
         let mut ws = self.call_ws();
         let ws = &mut *ws;
-        if opts.check_labels {
-            self.check_labels(ws, stream, &labels, p.t, shard.v_total, opts.ignore_index)?;
+        // The active rows are counted in the label check's one read (`crate::active`).
+        let count = crate::active::counts_fwd(opts, stream).then_some(crate::active::Count { comm });
+        let active =
+            if opts.check_labels { self.check_labels(ws, stream, &labels, p.t, (shard.v_total, opts.ignore_index), count)? } else { None };
+        match active {
+            Some(n) => crate::active::forward(self, ws, stream, &f, opts, n),
+            None => self.forward_dev(ws, stream, &f, opts),
         }
+    }
+
+    /// The forward of a validated call on its device buffers, every row of `f` computed (the
+    /// dense call; [`crate::active`] calls it on the compacted rows).
+    pub(crate) fn forward_dev(
+        &self,
+        ws: &mut crate::workspace::Workspace,
+        stream: &Arc<CudaStream>,
+        f: &FwdDev,
+        opts: &FwdOptions,
+    ) -> Result<FwdReport> {
+        let FwdDev { x, shard, comm, logprob, lse, entropy } = *f;
+        let p = Problem::new(x.dims.t, x.dims.v, x.dims.d);
+        let x = &x;
         if opts.naive() {
-            launch::naive_fwd(&self.gpu, stream, &x, &logprob, &lse, entropy.as_ref())?;
-            return Ok(FwdReport { kernel: None, n_splits: 0, raster_group: 0, fill: 0 });
+            launch::naive_fwd(&self.gpu, stream, x, logprob, lse, entropy)?;
+            return Ok(FwdReport { kernel: None, n_splits: 0, raster_group: 0, fill: 0, rows: p.t });
         }
         let family = if entropy.is_some() { Family::FwdEnt } else { Family::Fwd };
-        let cfg = self.fwd_config(stream, family, opts.choice(), p, &x, comm.is_some())?;
+        let cfg = self.fwd_config(stream, family, opts.choice(), p, x, comm.is_some())?;
         let plan = self.plan_split(family, cfg, p)?;
         let plan = {
             let partials = ws.partials.get(&mut ws.src, stream, plan.blocks_per_row() as usize * p.t)?;
             let pd = dev_out(partials, stream, "partials")?;
-            launch::fwd_mainloop(&self.gpu, stream, &x, entropy.is_some(), cfg, plan, &pd)?
+            launch::fwd_mainloop(&self.gpu, stream, x, entropy.is_some(), cfg, plan, &pd)?
         };
         let n_slots = plan.blocks_per_row();
         let (src, partials, status, row_state) = (&mut ws.src, &mut ws.partials, &mut ws.status, &mut ws.row_state);
@@ -203,14 +246,14 @@ impl LmHead {
             n_splits: n_slots,
             v_total: shard.v_total as i64,
             v_begin: shard.v_begin as i64,
-            ignore_index: opts.ignore_index,
-            labels: &labels,
+            ignore_index: x.sc.ignore_index,
+            labels: x.labels,
             partials: Some(&pd),
             row_state: None,
         };
         {
             let sd = dev_out(status, stream, "status")?;
-            let outs = MergeOuts { logprob: &logprob, lse: &lse, entropy: entropy.as_ref(), status: &sd };
+            let outs = MergeOuts { logprob, lse, entropy, status: &sd };
             match comm {
                 None => launch::merge(&self.gpu, stream, MergeStep::Full, &rows, Some(outs))?,
                 Some(comm) => {
@@ -224,30 +267,38 @@ impl LmHead {
             n_splits: plan.n_splits,
             raster_group: plan.raster_group,
             fill: plan.fill,
+            rows: p.t,
         })
     }
 
     /// Check every label before anything of the forward runs (so a bad label writes nothing and
-    /// tunes nothing): one small kernel over the labels, then an 8-byte read of its verdict (a
+    /// tunes nothing): one small kernel over the labels, then a 12-byte read of its verdict (a
     /// synchronisation with the stream), and on failure 8 bytes more for the offending label.
+    /// With `count`, the active rows are counted before the read ([`crate::active::count`]) and
+    /// their number is returned from the same read.
     fn check_labels(
         &self,
         ws: &mut crate::workspace::Workspace,
         stream: &Arc<CudaStream>,
         labels: &Labels,
         t: usize,
-        v_total: usize,
-        ignore_index: i64,
-    ) -> Result<()> {
-        let status = ws.status.get(&mut ws.src, stream, 2)?;
-        stream.memcpy_htod(&[0u32, u32::MAX], &mut *status).during(|| "clearing the label status".into())?;
+        (v_total, ignore_index): (usize, i64),
+        count: Option<crate::active::Count>,
+    ) -> Result<Option<usize>> {
+        // Words: the flags, the lowest bad row, the active rows.
+        let status = ws.status.get(&mut ws.src, stream, 3)?;
+        stream.memcpy_htod(&[0u32, u32::MAX, 0], &mut *status).during(|| "clearing the label status".into())?;
         {
             let sd = dev_out(&mut *status, stream, "status")?;
             launch::check_labels(&self.gpu, stream, t, (v_total as i64, ignore_index), labels, &sd)?;
+            if let Some(c) = count {
+                let rows = launch::ActiveRows { t, labels, ignore_index, grad_logprob: None, grad_entropy: None };
+                crate::active::count(&self.gpu, (&mut ws.src, &mut ws.active), stream, &rows, c.comm, &sd.sub(2, 1, 4)?)?;
+            }
         }
         let flags = stream.clone_dtoh(&*status).during(|| "reading the label status".into())?;
         if flags[0] & lmhead_core::params::STATUS_BAD_LABEL == 0 {
-            return Ok(());
+            return Ok(count.map(|_| flags[2] as usize));
         }
         let row = flags[1] as usize;
         let label = if row < t {

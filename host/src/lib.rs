@@ -13,6 +13,8 @@
 //! - [`cpu`] is the f64 reference, the backend on machines without a GPU.
 //! - [`tp`] adds vocab-parallel tensor parallelism (and documents context parallelism).
 //! - Buffers of other frameworks enter as [`Borrowed`] memory on a [`borrowed_stream`].
+//! - [`active`]: both passes compute only the rows the loss reads (labels not `ignore_index`;
+//!   in the backward also a non-zero upstream gradient), compacted into the workspace.
 //!
 //! Every call validates its shapes, lengths, alignment, options and (by default) labels, and
 //! answers bad input with an [`Error`], never a panic or a plausible wrong number.
@@ -40,6 +42,7 @@ macro_rules! internal_mod {
     )*};
 }
 
+pub mod active;
 mod borrowed;
 mod bwd;
 mod capture;
@@ -71,6 +74,7 @@ pub use error::{Error, Result};
 pub use half::bf16;
 pub use lmhead_core::Problem;
 
+pub use active::Compaction;
 pub use borrowed::{borrowed_stream, Borrowed};
 pub use bwd::{BwdInputs, BwdOptions, BwdReport, GradOut};
 pub use fwd::{FwdInputs, FwdOptions, FwdOutputs, FwdReport};

@@ -1,5 +1,5 @@
 //! Scratch device buffers owned by the library: forward partials, row states, the status words,
-//! the backward staging buffer and the f32 `dh` accumulator. They are never the caller's
+//! the backward staging buffer, the f32 `dh` accumulator and the active rows' compaction. They are never the caller's
 //! buffers. Two sources:
 //!
 //! - **Owned** (the default): allocated through cudarc on a stream of the library's own, grown
@@ -250,7 +250,7 @@ impl<T: DeviceRepr + ValidAsZeroBits> Grow<T> {
 
     /// The end of a call: a lent buffer this call used records its last use, and is handed back
     /// unless kept.
-    fn end_call(&mut self) {
+    pub(crate) fn end_call(&mut self) {
         let Some(WsBuf::Lent(b)) = self.buf.as_mut() else { return };
         if !matches!(b.last_use, LastUse::ThisCall) {
             return; // not used in this call
@@ -348,6 +348,8 @@ pub struct Workspace {
     pub status: Grow<u32>,
     pub staging: Grow<half::bf16>,
     pub dh_acc: Grow<f32>,
+    /// The active rows' compaction ([`crate::active`]).
+    pub active: crate::active::ActiveWs,
     /// Created by the first backward that overlaps `dW` with `dh` ([`Side::of`]); kept for the
     /// `LmHead`'s life.
     pub side: Option<Side>,
@@ -362,6 +364,7 @@ impl Workspace {
             status: Grow::new("status word"),
             staging: Grow::per_call_zeroed("backward d-logits staging"),
             dh_acc: Grow::per_call("dh f32 accumulator"),
+            active: Default::default(),
             side: None,
         }
     }
@@ -375,7 +378,12 @@ impl Workspace {
 
     /// Bytes currently held.
     pub fn bytes(&self) -> usize {
-        self.partials.bytes() + self.row_state.bytes() + self.status.bytes() + self.staging.bytes() + self.dh_acc.bytes()
+        self.partials.bytes()
+            + self.row_state.bytes()
+            + self.status.bytes()
+            + self.staging.bytes()
+            + self.dh_acc.bytes()
+            + self.active.bytes()
     }
 
     pub fn release(&mut self) {
@@ -384,6 +392,7 @@ impl Workspace {
         self.status.release();
         self.staging.release();
         self.dh_acc.release();
+        self.active.release();
     }
 
     /// The end of a call: lent buffers record their last use; the per-call ones go back.
@@ -393,6 +402,7 @@ impl Workspace {
         self.status.end_call();
         self.staging.end_call();
         self.dh_acc.end_call();
+        self.active.end_call();
     }
 }
 

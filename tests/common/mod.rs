@@ -57,6 +57,13 @@ pub fn gpu_or_skip(test: &str) -> Option<(LmHead, Arc<CudaStream>)> {
     }
 }
 
+/// The forward's accumulation tolerance of a row whose relevant logits have magnitude `mag`, at
+/// hidden size `d`: `mag·2⁻²²·(d/16 + 4)` (the tensor cores' f32 sums round toward zero, ~2 ulp per
+/// k16 step; derivation in `tests/gpu_fwd.rs`).
+pub fn fwd_acc_tol(mag: f64, d: usize) -> f64 {
+    mag * f64::powi(2.0, -22) * (d as f64 / 16.0 + 4.0)
+}
+
 /// Tolerance of one element: `|x − r| ≤ tol(r, i)`.
 pub type Tol<'a> = &'a dyn Fn(usize, f64) -> f64;
 

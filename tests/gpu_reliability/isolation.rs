@@ -122,6 +122,7 @@ fn sanitizer_every_kernel_at_tail_shapes() {
             });
         }
     });
+    compaction_at_tail_shapes(&head, &stream);
     // Naive kernel, and one exhaustive tuning pass over every forward candidate (cache kept in
     // memory).
     let s = setup(&stream, 9, 300, 64, 3);
@@ -145,6 +146,100 @@ fn sanitizer_every_kernel_at_tail_shapes() {
     r.unwrap();
     stream.synchronize().unwrap();
     println!("[gpu_reliability::sanitizer] every kernel ran at its tail shapes");
+}
+
+/// The active rows' kernels (count, placement, row copies in 16-byte chunks and in words, value
+/// map) at tail shapes: two count blocks and a partial third of rows, half of them active, `i32`
+/// and `i64` labels; the backward into bf16 and into an f32 `dh` 8 bytes into its allocation;
+/// and two tensor-parallel ranks (the flags written, MAX-reduced and counted).
+fn compaction_at_tail_shapes(head: &LmHead, stream: &Arc<CudaStream>) {
+    let (t, v, d) = (2 * 2048 + 77, 301, 72);
+    let s = setup(stream, t, v, d, 6);
+    let mask = lmhead_reference::masks::random(t, 0.5, 6);
+    let labels = lmhead_reference::masks::apply(&s.case.labels, &mask, s.case.ignore_index);
+    let l64 = upload(stream, &labels).unwrap();
+    let l32 = upload(stream, &labels.iter().map(|&l| l as i32).collect::<Vec<_>>()).unwrap();
+    let fo = FwdOptions { config: Choice::Fallback, compaction: Compaction::Always, ..Default::default() };
+    let p = Problem::new(t, v, d);
+    let outs = |n: usize| -> Vec<CudaSlice<f32>> { (0..3).map(|_| stream.alloc_zeros(n).unwrap()).collect() };
+    let mut o = outs(t);
+    let [lp, lse, ent] = &mut o[..] else { unreachable!() };
+    head.forward(stream, &FwdInputs { h: &s.h, w: &s.w, labels: &l32, problem: p }, &fo, FwdOutputs { logprob: lp, lse, entropy: None })
+        .unwrap();
+    let r = head.forward(
+        stream,
+        &FwdInputs { h: &s.h, w: &s.w, labels: &l64, problem: p },
+        &fo,
+        FwdOutputs { logprob: lp, lse, entropy: Some(ent) },
+    );
+    assert!(r.unwrap().rows < t, "the forward compacted");
+    let g = upload(stream, &vec![1.0f32; t]).unwrap();
+    let bx = BwdInputs {
+        h: &s.h,
+        w: &s.w,
+        labels: &l32,
+        lse: &o[1],
+        entropy: Some(&o[2]),
+        grad_logprob: Some(&g),
+        grad_entropy: Some(&g),
+        problem: p,
+    };
+    let bo = BwdOptions { config: BwdConfigs::all(Choice::Fallback), compaction: Compaction::Always, ..Default::default() };
+    let mut dh16: CudaSlice<bf16> = stream.alloc_zeros(t * d).unwrap();
+    let mut dw16: CudaSlice<bf16> = stream.alloc_zeros(v * d).unwrap();
+    head.backward(stream, &bx, &bo, GradOut::Bf16(&mut dh16), Some(GradOut::Bf16(&mut dw16))).unwrap();
+    let mut dh32: CudaSlice<f32> = stream.alloc_zeros(t * d + 2).unwrap();
+    let mut dw32: CudaSlice<f32> = stream.alloc_zeros(v * d).unwrap();
+    let mut dh_view = dh32.slice_mut(2..);
+    let bx = BwdInputs {
+        h: &s.h,
+        w: &s.w,
+        labels: &l64,
+        lse: &o[1],
+        entropy: Some(&o[2]),
+        grad_logprob: Some(&g),
+        grad_entropy: None,
+        problem: p,
+    };
+    let r = head.backward(stream, &bx, &bo, GradOut::F32(&mut dh_view), Some(GradOut::F32(&mut dw32)));
+    assert!(r.unwrap().rows < t, "the backward compacted");
+    let comms = LocalComm::group(2);
+    std::thread::scope(|sc| {
+        for (r, comm) in comms.iter().enumerate() {
+            let (case, labels) = (&s.case, &labels);
+            sc.spawn(move || {
+                let head = LmHead::new(0).unwrap();
+                let stream = head.gpu().context().new_stream().unwrap();
+                let (shard, len) = Shard::even(r, 2, v);
+                let h = upload_bf16(&stream, &case.h).unwrap();
+                let w = upload_bf16(&stream, &case.w[shard.v_begin * d..(shard.v_begin + len) * d]).unwrap();
+                let lab = upload(&stream, labels).unwrap();
+                let p = Problem::new(t, len, d);
+                let mut o: Vec<CudaSlice<f32>> = (0..3).map(|_| stream.alloc_zeros(t).unwrap()).collect();
+                let [lp, lse, ent] = &mut o[..] else { unreachable!() };
+                let x = FwdInputs { h: &h, w: &w, labels: &lab, problem: p };
+                let fo = FwdOptions { config: Choice::Fallback, compaction: Compaction::Always, ..Default::default() };
+                head.forward_tp(comm, &stream, &x, shard, &fo, FwdOutputs { logprob: lp, lse, entropy: Some(ent) }).unwrap();
+                let g = upload(&stream, &vec![1.0f32; t]).unwrap();
+                let bx = BwdInputs {
+                    h: &h,
+                    w: &w,
+                    labels: &lab,
+                    lse: &o[1],
+                    entropy: Some(&o[2]),
+                    grad_logprob: Some(&g),
+                    grad_entropy: Some(&g),
+                    problem: p,
+                };
+                let bo = BwdOptions { config: BwdConfigs::all(Choice::Fallback), compaction: Compaction::Always, ..Default::default() };
+                let mut dh: CudaSlice<bf16> = stream.alloc_zeros(t * d).unwrap();
+                let mut dw: CudaSlice<bf16> = stream.alloc_zeros(len * d).unwrap();
+                let tp = lmhead::tp::TpBackward { comm, shard, reduce: lmhead::tp::ReduceDh::AllReduce };
+                head.backward_tp(tp, &stream, &bx, &bo, GradOut::Bf16(&mut dh), Some(GradOut::Bf16(&mut dw))).unwrap();
+                stream.synchronize().unwrap();
+            });
+        }
+    });
 }
 
 /// Tuning (through the warm-up API) runs on the library's own scratch buffers: the caller's

@@ -18,7 +18,9 @@ use std::sync::Arc;
 use lmhead::cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use lmhead::testing::{download_f32, poison, upload, upload_bf16};
 use lmhead::tp::{LocalComm, Shard};
-use lmhead::{bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, Error, Family, FwdInputs, FwdOptions, FwdOutputs, GradOut, LmHead, Problem};
+use lmhead::{
+    bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, Compaction, Error, Family, FwdInputs, FwdOptions, FwdOutputs, GradOut, LmHead, Problem,
+};
 use lmhead_reference::rng::Rng;
 use lmhead_reference::{backward_dw_rows, forward_rows, Case, Grads, Inputs, Structure};
 use lmhead_tests::{check_rel_l2, gpu_or_skip, run_seed};

@@ -362,6 +362,16 @@ pub mod fixed {
     pub const CAST_F32_BF16: &str = "lm_head_cast_f32_bf16";
     /// Level 00 of the ladder: one block per token, plain f32 dot products, no tensor cores.
     pub const NAIVE_FWD: &str = "lm_head_naive_fwd";
+    /// Counts the active rows per block of [`crate::compact::ROWS_PER_BLOCK`] and in all (or
+    /// writes their flags; [`crate::params::CompactParams`]).
+    pub const ACTIVE_COUNT: &str = "lm_head_active_count";
+    /// Writes the active rows' compact index list and row → slot map in row order, and gathers
+    /// their per-row values.
+    pub const ACTIVE_PLACE: &str = "lm_head_active_place";
+    /// Copies rows of 16-byte chunks through a row map (the gather of `h`, the scatter of `dh`).
+    pub const COPY_ROWS: &str = "lm_head_copy_rows";
+    /// Copies f32 values of up to three arrays through a row map (the forward's outputs).
+    pub const MAP_VALUES: &str = "lm_head_map_values";
     /// Unit kernel: one TMA box (the first tensor map of its params) copied to shared memory and
     /// written back byte for byte, so a test can check the 128-byte swizzle the mainloop assumes.
     pub const UNIT_TMA_COPY: &str = "lm_head_unit_tma_copy";
@@ -380,8 +390,12 @@ pub mod fixed {
     /// Threads per block of the fixed kernels (the unit kernels run one warpgroup of them).
     pub const THREADS: u32 = 256;
     /// All fixed entry points.
-    pub const ALL: [&str; 12] = [
+    pub const ALL: [&str; 16] = [
         CHECK_LABELS,
+        ACTIVE_COUNT,
+        ACTIVE_PLACE,
+        COPY_ROWS,
+        MAP_VALUES,
         FWD_MERGE,
         FWD_ROW_STATE,
         FWD_RESCALE,

@@ -13,6 +13,7 @@
 extern crate std;
 
 pub mod bucket;
+pub mod compact;
 pub mod config;
 pub mod heuristics;
 pub mod lse;

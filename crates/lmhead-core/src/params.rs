@@ -190,6 +190,78 @@ pub struct UnitParams {
 /// Bits of the status word.
 pub const STATUS_BAD_LABEL: u32 = 1;
 
+/// Parameters of the active-row kernels (`fixed::ACTIVE_COUNT`, `fixed::ACTIVE_PLACE`; see
+/// [`crate::compact`]). A row `r < t` is active when `flags_mode` is [`FLAGS_READ`] and
+/// `flags[r] > 0`, else when its label is not `ignore_index` and, where either upstream gradient
+/// is given (non-zero address), at least one given gradient is non-zero.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CompactParams {
+    /// Labels `[t]`, `i32` or `i64` (`label_kind`).
+    pub labels: u64,
+    /// Upstream gradients `[t]` (f32), 0 = not given.
+    pub grad_logprob: u64,
+    pub grad_entropy: u64,
+    /// f32 `[t]`: written (1 active, 0 not) by `ACTIVE_COUNT` in [`FLAGS_WRITE`] mode, read in
+    /// [`FLAGS_READ`] mode (tensor parallelism: MAX-reduced across the ranks in between).
+    pub flags: u64,
+    /// u32 `[ceil(t / ROWS_PER_BLOCK)]`: each block's active rows (`ACTIVE_COUNT` writes,
+    /// `ACTIVE_PLACE` reads).
+    pub block_counts: u64,
+    /// u32: the total count, added to by `ACTIVE_COUNT` (the host zeroes it first).
+    pub count: u64,
+    /// u32 `[n]`: compact slot → row (`ACTIVE_PLACE`).
+    pub idx: u64,
+    /// u32 `[t]`: row → compact slot, `u32::MAX` for an inactive row (`ACTIVE_PLACE`).
+    pub slot: u64,
+    /// Labels `[n]` of the active rows, in `label_kind` (`ACTIVE_PLACE`; 0 = not gathered).
+    pub labels_out: u64,
+    /// f32 `[t]` values gathered into `values_out[i]` `[n]` by `ACTIVE_PLACE` (0 = none).
+    pub values: [u64; 4],
+    pub values_out: [u64; 4],
+    pub ignore_index: i64,
+    pub t: u32,
+    pub label_kind: u32,
+    /// [`FLAGS_NONE`], [`FLAGS_WRITE`] or [`FLAGS_READ`].
+    pub flags_mode: u32,
+    /// `ACTIVE_PLACE`: the length of `idx` and of the gather outputs (the count the host read);
+    /// a slot at or above it is not written (only a concurrent write to the labels or gradients
+    /// between the two kernels could make more rows active).
+    pub n: u32,
+}
+
+/// `CompactParams::flags_mode`: activity from the labels and gradients, counted.
+pub const FLAGS_NONE: u32 = 0;
+/// `CompactParams::flags_mode`: activity from the labels and gradients, written to `flags`
+/// (nothing counted).
+pub const FLAGS_WRITE: u32 = 1;
+/// `CompactParams::flags_mode`: activity read from `flags`, counted.
+pub const FLAGS_READ: u32 = 2;
+
+/// Parameters of the row-map kernels (`fixed::COPY_ROWS`, `fixed::MAP_VALUES`): for every
+/// destination row `i < n`, `dst[i] = src[map[i]]`, or `fill` where `map[i]` is `u32::MAX`.
+/// `COPY_ROWS` moves rows of `row_chunks` chunks of `chunk_bytes` (16, or 4 for rows not
+/// 16-byte aligned) from `src[0]` to `dst[0]`, zeros where there is no source row; `MAP_VALUES`
+/// moves single f32 values of up to three arrays (`src[j]` → `dst[j]` with `fill[j]`; a zero
+/// `dst[j]` is skipped).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RowMapParams {
+    /// u32 `[n]`.
+    pub map: u64,
+    pub src: [u64; 3],
+    pub dst: [u64; 3],
+    pub fill: [f32; 3],
+    pub n: u32,
+    pub row_chunks: u32,
+    /// Rows (`COPY_ROWS`) or values (`MAP_VALUES`) of each source: a map entry at or above it
+    /// reads as [`crate::compact::NO_SLOT`].
+    pub src_rows: u32,
+    /// `COPY_ROWS`: 16 or 4.
+    pub chunk_bytes: u32,
+    pub _pad: u32,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -207,5 +279,7 @@ mod tests {
         assert_eq!(size_of::<CastParams>(), 24);
         assert_eq!(size_of::<NaiveParams>(), 80);
         assert_eq!(size_of::<UnitParams>(), 32);
+        assert_eq!(size_of::<CompactParams>(), 160);
+        assert_eq!(size_of::<RowMapParams>(), 88);
     }
 }

@@ -125,6 +125,43 @@ pub struct TpRow {
     pub check_max_abs: Option<f64>,
 }
 
+/// One case of `lmhead-bench active`: a batch of `t` tokens whose mask (`layout`, `fraction`
+/// of the rows active, `active` of them) leaves the other labels `ignore_index`, each operation
+/// timed in the same rounds three ways, with the label check on: the dense call on all rows
+/// (`Compaction::Off`), the library's call (`Compaction::Auto`: compacted where that pays), and
+/// the dense call on only the active rows, compacted beforehand (the ideal); beside cuBLAS's GEMM
+/// of the dense shape. The forward is log-prob only; the step is the forward with entropy and the
+/// backward of both (bf16 `dh`, `dW`). Records are `{gpu, driver, commit, suite, timestamp,
+/// tuning, active_row}`, in their own file.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ActiveRow {
+    pub model: String,
+    pub t: usize,
+    pub v: usize,
+    pub d: usize,
+    /// `suffix` (one prompt, then one response) or `multi-turn` (8 packed turns).
+    pub layout: String,
+    pub fraction: f64,
+    pub active: usize,
+    pub gemm: Timing,
+    pub fwd_dense: Timing,
+    pub fwd_active: Timing,
+    pub fwd_ideal: Timing,
+    pub step_dense: Timing,
+    pub step_active: Timing,
+    pub step_ideal: Timing,
+    /// Rows the library's calls ran (`FwdReport::rows`, `BwdReport::rows`).
+    pub fwd_rows: usize,
+    pub bwd_rows: usize,
+    /// The library's forward config and backward configs.
+    pub fwd_cfg: String,
+    pub bwd_cfg: String,
+    /// Largest |Δ log-prob| of the timed forwards against the f64 reference on sampled active
+    /// rows (`null` with `--no-check`).
+    #[serde(default)]
+    pub check_max_abs: Option<f64>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -12,6 +12,7 @@ pub mod bf16;
 pub mod bwd;
 pub mod fwd;
 pub mod inputs;
+pub mod masks;
 pub mod metrics;
 pub mod rng;
 

@@ -12,9 +12,11 @@
 //! Files by job: `buffers` (the checked buffer arguments every launch takes), `tmap` (tensor maps
 //! of the sm90 configs), `tiles` (the tuned tile kernels: forward mainloop, d-logits, backward
 //! GEMMs, and their launch plans), `rows` (per-row kernels: label check, merges, cast, the naive
-//! forward), `units` (unit kernels for the GPU tests, with the `testing` feature).
+//! forward), `compact` (the active rows' count, placement and row maps), `units` (unit kernels
+//! for the GPU tests, with the `testing` feature).
 
 mod buffers;
+mod compact;
 mod rows;
 mod tiles;
 mod tmap;
@@ -23,13 +25,14 @@ mod tmap;
 mod units;
 
 pub use buffers::*;
+pub use compact::*;
 pub use rows::*;
 pub use tiles::*;
 #[cfg(feature = "testing")]
 pub use units::*;
 
 use cudarc::driver::{CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
-use lmhead_core::params::{CastParams, GemmParams, LogitsParams, MergeParams, NaiveParams, UnitParams};
+use lmhead_core::params::{CastParams, CompactParams, GemmParams, LogitsParams, MergeParams, NaiveParams, RowMapParams, UnitParams};
 
 use crate::device::Gpu;
 use crate::error::{Context as _, Result};
@@ -51,6 +54,10 @@ unsafe impl DeviceRepr for Arg<CastParams> {}
 unsafe impl DeviceRepr for Arg<NaiveParams> {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for Arg<UnitParams> {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for Arg<CompactParams> {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for Arg<RowMapParams> {}
 // SAFETY: `Partial` is `#[repr(C, align(16))]` of four f32; any bit pattern is valid.
 unsafe impl DeviceRepr for crate::workspace::PartialRepr {}
 // SAFETY: zero bits are four 0.0 f32.

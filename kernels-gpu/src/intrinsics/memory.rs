@@ -232,3 +232,35 @@ pub unsafe fn atomic_min(p: *mut u32, v: u32) {
     // SAFETY: the caller guarantees the address.
     unsafe { asm!("red.global.min.u32 [{p}], {v};", p = in(reg64) p, v = in(reg32) v, options(nostack)) };
 }
+
+/// `red.global.add.u32`: atomically adds `v` to the `u32` at `p` (wrapping).
+///
+/// # Safety
+/// `p` is a valid, 4-byte aligned global address.
+#[inline(always)]
+pub unsafe fn atomic_add(p: *mut u32, v: u32) {
+    // SAFETY: the caller guarantees the address.
+    unsafe { asm!("red.global.add.u32 [{p}], {v};", p = in(reg64) p, v = in(reg32) v, options(nostack)) };
+}
+
+/// `st.shared.u32`.
+///
+/// # Safety
+/// `addr` must be a 4-byte aligned shared address with 4 writable bytes.
+#[inline(always)]
+pub unsafe fn st_shared_u32(addr: SmemAddr, v: u32) {
+    // SAFETY: the caller guarantees the address.
+    unsafe { asm!("st.shared.u32 [{p}], {v};", p = in(reg32) addr, v = in(reg32) v, options(nostack)) };
+}
+
+/// `ld.shared.u32`.
+///
+/// # Safety
+/// `addr` must be a 4-byte aligned shared address with 4 readable bytes.
+#[inline(always)]
+pub unsafe fn ld_shared_u32(addr: SmemAddr) -> u32 {
+    let v: u32;
+    // SAFETY: the caller guarantees the address.
+    unsafe { asm!("ld.shared.u32 {v}, [{p}];", p = in(reg32) addr, v = out(reg32) v, options(nostack, readonly)) };
+    v
+}

@@ -3,7 +3,7 @@
 //! lists the exact conditions under which the instruction is undefined behaviour.
 //!
 //! One file per instruction family, all re-exported here (callers write `intrinsics::foo`):
-//! `thread` (indices, barriers, shuffle, fences, `exit` / `trap`), `math` (`ex2` / `lg2`, `fma`,
+//! `thread` (indices, barriers, shuffle, ballot, fences, `exit` / `trap`), `math` (`ex2` / `lg2`, `fma`,
 //! packing conversions), `memory` (shared and global loads and stores, `cp.async`, reductions),
 //! `mma` (`ldmatrix`, `mma.sync`, `stmatrix`), `wgmma` (the sm90 warpgroup MMA and
 //! `setmaxnreg`), `tma` (mbarriers and the tensor memory accelerator's bulk copies).

@@ -1,5 +1,5 @@
 //! Threads, warps and the block: the shared-memory base, thread and block indices, block-wide
-//! and named barriers, the warp shuffle, the async-proxy fence, `exit` and `trap`.
+//! and named barriers, the warp shuffle and ballot, the async-proxy fence, `exit` and `trap`.
 
 use super::SmemAddr;
 use core::arch::asm;
@@ -142,4 +142,26 @@ pub unsafe fn named_barrier_id(id: u32, count: u32) {
 pub fn trap() -> ! {
     // SAFETY: `trap` ends the kernel with an error the host sees at the next synchronisation.
     unsafe { asm!("trap;", options(noreturn, nostack)) }
+}
+
+/// `vote.sync.ballot.b32` over the full warp: bit `i` of the result is lane `i`'s `pred`.
+///
+/// # Safety
+/// All 32 lanes of the warp must execute it (member mask: every lane).
+#[inline(always)]
+pub unsafe fn ballot(pred: bool) -> u32 {
+    let r: u32;
+    // SAFETY: the caller guarantees that the whole warp executes it.
+    unsafe {
+        asm!(
+            "{{",
+            ".reg .pred p;",
+            "setp.ne.u32 p, {x}, 0;",
+            "vote.sync.ballot.b32 {r}, p, -1;",
+            "}}",
+            x = in(reg32) pred as u32, r = out(reg32) r,
+            options(nostack, nomem)
+        )
+    };
+    r
 }

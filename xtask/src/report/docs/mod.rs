@@ -10,8 +10,8 @@
 //! <!-- end -->
 //! ```
 //!
-//! What is between them is replaced by the table of that suite and view (see [`mod@bench`] and
-//! [`other`] for the views each kind of record has), followed by one line that names the GPU,
+//! What is between them is replaced by the table of that suite and view (see [`mod@bench`],
+//! [`other`] and [`active`] for the views each kind of record has), followed by one line that names the GPU,
 //! the driver, the commits and the results files of its records.
 //!
 //! `--docs` rewrites the docs whose tables changed. `--check` (CI) changes nothing and fails
@@ -19,6 +19,7 @@
 //! SUITES does not list, or when `docs/results/` holds a file SUITES does not list, misses one
 //! it lists, or exceeds [`RESULTS_BUDGET_BYTES`].
 
+mod active;
 mod bench;
 mod other;
 
@@ -232,6 +233,8 @@ fn render(spec: &str, sources: &HashMap<String, Result<Source, String>>) -> Resu
         bench::render(src, view)
     } else if with("tp_row") {
         other::tp(src, view)
+    } else if with("active_row") {
+        active::render(src, view)
     } else if with("wall_ms") {
         other::probe(src, view)
     } else if with("impl") {

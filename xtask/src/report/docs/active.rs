@@ -1,0 +1,119 @@
+//! The table of `lmhead-bench active` (`lmhead_core::record::ActiveRow`): per head, mask layout
+//! and active fraction, the forward and the step on all rows, on the compacted rows alone (the
+//! ideal) and as the library runs them, with the library's time over the ideal's and its fixed
+//! cost (the library's time less the ideal's, also as a share of the call on all rows). One
+//! view, the default.
+
+use std::fmt::Write as _;
+
+use lmhead_core::record::ActiveRow;
+use serde_json::Value;
+
+use super::{counted, x, Source};
+
+/// The active-rows table, records in the suite's order (the latest record of a case wins).
+pub fn render(src: &Source, view: &str) -> Result<String, String> {
+    if !view.is_empty() {
+        return Err(format!("suite `{}`: no view `{view}` (its records make one table)", src.suite));
+    }
+    let mut recs: Vec<(Value, ActiveRow)> = Vec::new();
+    for (f, t) in src.files.iter().zip(&src.texts) {
+        for (i, l) in t.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+            let v: Value = serde_json::from_str(l).map_err(|e| format!("{f}:{}: {e}", i + 1))?;
+            let r = v.get("active_row").cloned().ok_or_else(|| format!("{f}:{}: a record without `active_row`", i + 1))?;
+            let r: ActiveRow = serde_json::from_value(r).map_err(|e| format!("{f}:{}: an active record: {e}", i + 1))?;
+            let key = |a: &ActiveRow| (a.model.clone(), a.t, a.layout.clone(), a.fraction.to_bits());
+            recs.retain(|(_, o)| key(o) != key(&r));
+            recs.push((v, r));
+        }
+    }
+    if recs.is_empty() {
+        return Err(format!("{}: no records", src.file_list()));
+    }
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "| head (t × v × d) | mask | active | fwd ms: all rows / compacted / library | library × compacted | fixed ms (% of all rows) | step ms: all rows / compacted / library | library × compacted | fixed ms (% of all rows) |"
+    );
+    let _ = writeln!(s, "|---|---|---:|---:|---:|---:|---:|---:|---:|");
+    let (mut worst_x, mut worst_fixed) = (0.0f64, 0.0f64);
+    for (_, r) in &recs {
+        let three = |a: f64, b: f64, c: f64| format!("{a:.3} / {b:.3} / {c:.3}");
+        let fixed = |lib: f64, ideal: f64, all: f64| format!("{:.3} ({:.1}%)", lib - ideal, 100.0 * (lib - ideal) / all);
+        for (lib, ideal, all) in
+            [(r.fwd_active.p50, r.fwd_ideal.p50, r.fwd_dense.p50), (r.step_active.p50, r.step_ideal.p50, r.step_dense.p50)]
+        {
+            worst_x = worst_x.max(lib / ideal);
+            worst_fixed = worst_fixed.max((lib - ideal) / all);
+        }
+        let _ = writeln!(
+            s,
+            "| {} ({} × {} × {}) | {} {:.0}% | {} | {} | {} | {} | {} | {} | {} |",
+            r.model,
+            r.t,
+            r.v,
+            r.d,
+            r.layout,
+            100.0 * r.fraction,
+            r.active,
+            three(r.fwd_dense.p50, r.fwd_ideal.p50, r.fwd_active.p50),
+            x(r.fwd_active.p50 / r.fwd_ideal.p50),
+            fixed(r.fwd_active.p50, r.fwd_ideal.p50, r.fwd_dense.p50),
+            three(r.step_dense.p50, r.step_ideal.p50, r.step_active.p50),
+            x(r.step_active.p50 / r.step_ideal.p50),
+            fixed(r.step_active.p50, r.step_ideal.p50, r.step_dense.p50),
+        );
+    }
+    let text = |v: &Value, k: &str| v.get(k).and_then(Value::as_str).unwrap_or("not recorded").to_string();
+    let gpus: Vec<String> = recs.iter().map(|(v, _)| text(v, "gpu")).collect();
+    let commits: Vec<String> = recs.iter().map(|(v, _)| text(v, "commit")).collect();
+    let _ = write!(
+        s,
+        "\nMedians of the rounds, the label check on in every call. All rows: the masked labels `ignore_index`, every row computed \
+         (`Compaction::Off`); compacted: the dense call on only the active rows, gathered beforehand; library: the default \
+         (`Compaction::Auto`). At most {} the compacted call; fixed cost at most {:.1}% of the call on all rows. {} on {}, commit {}; \
+         records {}.",
+        x(worst_x),
+        100.0 * worst_fixed,
+        recs.len(),
+        counted(gpus.iter().map(String::as_str), "case"),
+        counted(commits.iter().map(String::as_str), "case"),
+        src.file_list()
+    );
+    Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn timing(x: f64) -> Value {
+        serde_json::json!({"p20": x, "p50": x, "p80": x})
+    }
+
+    fn line(fraction: f64, fwd: (f64, f64, f64), step: (f64, f64, f64)) -> String {
+        serde_json::json!({"gpu": "NVIDIA H200", "commit": "c", "suite": "active", "active_row": {
+            "model": "m", "t": 8192, "v": 1000, "d": 512, "layout": "suffix", "fraction": fraction, "active": (8192.0 * fraction) as usize,
+            "gemm": timing(1.0), "fwd_dense": timing(fwd.0), "fwd_ideal": timing(fwd.1), "fwd_active": timing(fwd.2),
+            "step_dense": timing(step.0), "step_ideal": timing(step.1), "step_active": timing(step.2),
+            "fwd_rows": 4096, "bwd_rows": 4096, "fwd_cfg": "x", "bwd_cfg": "y", "check_max_abs": 1e-6}})
+        .to_string()
+    }
+
+    #[test]
+    fn active_table_gives_ratios_and_fixed_costs() {
+        let text = [line(0.5, (9.0, 9.0, 9.0), (1.0, 1.0, 1.0)), line(0.5, (10.0, 5.0, 5.1), (40.0, 20.0, 20.4))].join("\n");
+        let src = Source { suite: "active".into(), files: vec!["docs/results/active.jsonl".into()], texts: vec![text] };
+        let t = render(&src, "").unwrap();
+        assert_eq!(t.lines().filter(|l| l.starts_with("| m ")).count(), 1, "the latest record of a case wins: {t}");
+        assert!(
+            t.contains("| m (8192 × 1000 × 512) | suffix 50% | 4096 | 10.000 / 5.000 / 5.100 | 1.02× | 0.100 (1.0%) | 40.000 / 20.000 / 20.400 | 1.02× | 0.400 (1.0%) |"),
+            "{t}"
+        );
+        assert!(
+            t.contains("At most 1.02× the compacted call; fixed cost at most 1.0% of the call on all rows. 1 on NVIDIA H200, commit c;"),
+            "{t}"
+        );
+        assert!(render(&src, "summary").unwrap_err().contains("no view"));
+    }
+}
