@@ -53,7 +53,7 @@ use std::time::Instant;
 
 use lmhead::cudarc::driver::{CudaSlice, CudaStream};
 use lmhead::tune::bench::{median, percentile};
-use lmhead::{bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, FwdInputs, FwdOptions, FwdOutputs, GradOut, LmHead, Problem};
+use lmhead::{bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, FwdInputs, FwdOptions, FwdOutputs, GradOut, LabelCheck, LmHead, Problem};
 use lmhead_reference::rng::Rng;
 use serde_json::json;
 
@@ -363,7 +363,11 @@ fn measure(heads: &[&LmHead], stream: &Arc<CudaStream>, c: &Case, args: &Args, s
     }
     let data = Data {
         x: FwdInputs { h: &h, w: &w, labels: &lab, problem: p },
-        fo: FwdOptions { config: choice, check_labels: args.check_labels, ..Default::default() },
+        fo: FwdOptions {
+            config: choice,
+            check_labels: if args.check_labels { LabelCheck::Sync } else { LabelCheck::Off },
+            ..Default::default()
+        },
         bo,
         gl: &gl,
         ge: &ge,

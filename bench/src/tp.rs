@@ -21,8 +21,8 @@ use lmhead::cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use lmhead::tp::Dev;
 use lmhead::tp::{NcclComm, ReduceOp};
 use lmhead::{
-    bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, Communicator, FwdInputs, FwdOptions, FwdOutputs, GradOut, LmHead, Problem, ReduceDh,
-    Shard,
+    bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, Communicator, FwdInputs, FwdOptions, FwdOutputs, GradOut, LabelCheck, LmHead, Problem,
+    ReduceDh, Shard,
 };
 use lmhead_core::record::{Timing, TpRow};
 use lmhead_reference::rng::Rng;
@@ -153,7 +153,7 @@ fn run_rank(head: &LmHead, stream: &Arc<CudaStream>, r: &Rank, pb: &Problem0<'_>
     let mut dh = lmhead::testing::zeros::<bf16>(stream, t * d, "dh")?;
     let mut dw = lmhead::testing::zeros::<bf16>(stream, v * d, "dW")?;
     let mut blas = cublas::Gemm::new(stream.clone(), t, v, d)?;
-    let fo = FwdOptions { config: Choice::Auto, check_labels: false, ..Default::default() };
+    let fo = FwdOptions { config: Choice::Auto, check_labels: LabelCheck::Off, ..Default::default() };
     let bo = BwdOptions { config: BwdConfigs::all(Choice::Auto), ..Default::default() };
     let x = FwdInputs { h: &h, w: &w, labels: &lab, problem: p };
     let none = NoComm { rank, size: n };

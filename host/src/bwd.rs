@@ -266,7 +266,8 @@ impl LmHead {
         };
         let stride = stride_of(chunk);
         let chunks = p.v.div_ceil(chunk);
-        let mut guard = self.call_ws();
+        let capture = crate::capture::capturing(stream)?;
+        let mut guard = self.call_ws(capture);
         let overlap = dw.is_some() && crate::plan::overrides::Overrides::get().bwd_overlap != Some(false);
         {
             let ws = &mut *guard;
@@ -274,6 +275,13 @@ impl LmHead {
             // outputs): on the side stream after the chunk's d-logits, joined back before the
             // next chunk's d-logits overwrite the staging buffer.
             let side = if overlap { Some(Side::of(&mut ws.side, stream)?) } else { None };
+            if let (true, Some(s)) = (capture, side) {
+                // Under capture the side stream joins the capture here, before its first tensor
+                // maps are copied (`launch::bwd_gemm_after` copies them before it waits for the
+                // chunk's d-logits): the copies are recorded into the graph too.
+                s.ready.record(stream).during(|| "recording the capture's fork event".into())?;
+                s.stream.wait(&s.ready).during(|| "joining the dW stream to the capture".into())?;
+            }
             let src = &mut ws.src;
             let staging = ws.staging.get(src, stream, p.t * stride)?;
             let staging = dev_out(staging, stream, "staging")?;

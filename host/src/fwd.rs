@@ -18,7 +18,7 @@ use crate::tp::{Communicator, Shard};
 use crate::tune::{Choice, Mode, TuneKey};
 use crate::validate;
 use crate::workspace::zeros;
-use crate::{bf16, LabelType, LmHead};
+use crate::{bf16, LabelCheck, LabelType, LmHead};
 
 /// Inputs of a forward call. `h` is `[t][d]`, `W` is `[v][d]` (bf16, rows contiguous), labels `[t]`.
 pub struct FwdInputs<'a, L: LabelType> {
@@ -43,11 +43,13 @@ pub struct FwdOptions {
     pub temperature: f32,
     /// Rows with this label report log-prob 0 and entropy 0 (and get no gradient). Default −100.
     pub ignore_index: i64,
-    /// Check every label before anything runs (one small kernel and an 8-byte synchronous read)
-    /// and fail with [`Error::BadLabel`] (first offending row and its label) when one is outside
-    /// `[0, v)` and not `ignore_index`; nothing is tuned or written then. Without the check such
-    /// rows come out NaN and the call succeeds. Default true.
-    pub check_labels: bool,
+    /// How the labels are checked ([`LabelCheck`]). `Sync` (the default): every label before
+    /// anything runs (one small kernel and an 8-byte synchronous read), failing with
+    /// [`Error::BadLabel`] (first offending row and its label) when one is outside `[0, v)` and
+    /// not `ignore_index`; nothing is tuned or written then. `Deferred` (what `Sync` becomes on a
+    /// stream that is capturing a CUDA graph): no host read, such rows come out NaN and
+    /// [`LmHead::take_label_status`] reports them later. `Off`: NaN rows, nothing recorded.
+    pub check_labels: LabelCheck,
     /// How the tile config is chosen. Default [`Choice::Auto`].
     pub config: Choice,
     /// Run the level-00 kernel (no tensor cores) instead: a second GPU reference.
@@ -56,7 +58,13 @@ pub struct FwdOptions {
 
 impl Default for FwdOptions {
     fn default() -> Self {
-        Self { temperature: 1.0, ignore_index: lmhead_reference::IGNORE_INDEX, check_labels: true, config: Choice::Auto, naive: false }
+        Self {
+            temperature: 1.0,
+            ignore_index: lmhead_reference::IGNORE_INDEX,
+            check_labels: LabelCheck::Sync,
+            config: Choice::Auto,
+            naive: false,
+        }
     }
 }
 
@@ -145,10 +153,14 @@ impl LmHead {
         let sc = Scalars { inv_temp, ignore_index: opts.ignore_index, v_begin: shard.v_begin as i64 };
         let dims = Dims { t: p.t, v: p.v, d: p.d };
         let x = LogitsIn { dims, sc, h: &h, w: &w, labels: &labels };
-        let mut ws = self.call_ws();
+        // Under CUDA-graph capture nothing may wait for the device (see `capture.rs`).
+        let capture = crate::capture::capturing(stream)?;
+        let mut ws = self.call_ws(capture);
         let ws = &mut *ws;
-        if opts.check_labels {
-            self.check_labels(ws, stream, &labels, p.t, shard.v_total, opts.ignore_index)?;
+        match opts.check_labels.under(capture) {
+            LabelCheck::Sync => self.check_labels(ws, stream, &labels, p.t, shard.v_total, opts.ignore_index)?,
+            LabelCheck::Deferred => self.check_labels_deferred(stream, &labels, p.t, shard.v_total, opts.ignore_index)?,
+            LabelCheck::Off => {}
         }
         if opts.naive {
             launch::naive_fwd(&self.gpu, stream, &x, &logprob, &lse, entropy.as_ref())?;

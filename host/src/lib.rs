@@ -35,10 +35,12 @@ macro_rules! internal_mod {
 
 mod borrowed;
 mod bwd;
+mod capture;
 pub mod cpu;
 mod device;
 mod error;
 mod fwd;
+mod labels;
 mod plan;
 pub mod tp;
 pub mod tune;
@@ -65,6 +67,7 @@ pub use bwd::{
     auto_chunk, balanced_chunk, BwdConfigs, BwdInputs, BwdOptions, BwdReport, GradOut, MAX_AUTO_CHUNK, MIN_AUTO_CHUNK, STAGING_BUDGET_BYTES,
 };
 pub use fwd::{FwdInputs, FwdOptions, FwdOutputs, FwdReport};
+pub use labels::LabelCheck;
 pub use plan::overrides::PLAN_OVERRIDE_VARS;
 pub use tp::{Communicator, LocalComm, ReduceDh, Shard, TpBackward};
 pub use tune::{Choice, Tuner};
@@ -104,6 +107,8 @@ pub struct LmHead {
     gpu: Arc<Gpu>,
     tuner: Tuner,
     ws: Mutex<workspace::Workspace>,
+    /// What deferred label checks found ([`LmHead::take_label_status`]).
+    label_status: labels::Status,
 }
 
 impl LmHead {
@@ -117,7 +122,7 @@ impl LmHead {
     pub fn with_tuner(gpu: Arc<Gpu>, mut tuner: Tuner) -> Self {
         let g = gpu.clone();
         tuner.set_loads(Arc::new(move |f, c| g.tuned_function(f, c).is_ok()));
-        Self { gpu, tuner, ws: Mutex::new(workspace::Workspace::new()) }
+        Self { gpu, tuner, ws: Mutex::new(workspace::Workspace::new()), label_status: labels::Status::default() }
     }
 
     pub fn gpu(&self) -> &Arc<Gpu> {
@@ -154,9 +159,12 @@ impl LmHead {
         self.ws.lock().unwrap().set_scratch(alloc);
     }
 
-    /// The workspace for one call (held until the call returns).
-    pub(crate) fn call_ws(&self) -> workspace::CallWs<'_> {
-        workspace::CallWs(self.ws.lock().unwrap())
+    /// The workspace for one call (held until the call returns); `capture`: the call's stream
+    /// is capturing a CUDA graph, so every buffer is the call's own (see `workspace.rs`).
+    pub(crate) fn call_ws(&self, capture: bool) -> workspace::CallWs<'_> {
+        let mut ws = self.ws.lock().unwrap();
+        ws.src.capture = capture;
+        workspace::CallWs(ws)
     }
 }
 
