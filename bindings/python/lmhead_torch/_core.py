@@ -272,6 +272,8 @@ def _check(hidden, weight, labels, temperature) -> float:
         temp = float(temperature)
     except (TypeError, ValueError):
         raise _bad(f"temperature must be a number, got {temperature!r}") from None
-    if not (math.isfinite(temp) and temp > 0.0):
+    # (Comparisons, not math.isfinite: under torch.compile a temperature may be a symbolic float,
+    # which compares but has no isfinite; NaN fails the first comparison.)
+    if not (temp > 0.0 and temp < math.inf):
         raise _bad(f"temperature must be finite and > 0, got {temperature}")
     return temp

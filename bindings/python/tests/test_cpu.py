@@ -381,7 +381,7 @@ def test_no_gpu_raises_unavailable_error():
     if L.gpu_supported():
         pytest.skip("a supported GPU is present")
     if _native.driver_present():
-        # A driver without a usable sm_90 device: opening device 0 must fail with the
+        # A driver without a device the library supports: opening device 0 must fail with the
         # fall-back-able RuntimeError (or succeed if it is, in fact, usable).
         pass
     with pytest.raises(RuntimeError) as ei:

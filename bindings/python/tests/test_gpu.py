@@ -32,7 +32,7 @@ from refs import BF16_REL_L2, IGNORE, check_forward_gpu, reference, rel_l2
 from tp_workers import run_tp_cases
 
 GPU = L.gpu_supported()
-REASON = "needs a CUDA GPU of compute capability 9.0 (H100/H200)" if not torch.cuda.is_available() else "the CUDA GPU is not compute capability 9.0"
+REASON = "needs a CUDA GPU" if not torch.cuda.is_available() else "the library does not support this CUDA GPU"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPU, reason=REASON)]
 
 # (t, v, d): H % 128 != 0 and V % 64 != 0 in all but the last.
@@ -333,7 +333,7 @@ def test_bad_inputs_on_gpu():
 
 def test_warm_up_and_device_info():
     info = L.device_info()
-    assert tuple(info["cc"]) == (9, 0)
+    assert tuple(info["cc"]) == torch.cuda.get_device_capability()
     print(info, _native.kernel_report(torch.cuda.current_device()))
     L.warm_up([100, 3000], 4096, 256, entropy=True, backward=True)
     h, w, labels = _inputs(3000, 4096, 256, seed=25)
