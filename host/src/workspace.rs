@@ -292,8 +292,9 @@ impl<T: DeviceRepr + ValidAsZeroBits> Grow<T> {
         self.call_only = None;
     }
 
+    /// Bytes held now: the kept or per-call buffer, and a captured call's own.
     pub fn bytes(&self) -> usize {
-        self.buf.as_ref().map_or(0, |b| b.len() * std::mem::size_of::<T>())
+        [&self.buf, &self.call_only].iter().map(|b| b.as_ref().map_or(0, |b| b.len() * std::mem::size_of::<T>())).sum()
     }
 
     pub fn release(&mut self) {
