@@ -45,7 +45,7 @@ for s in "${steps[@]}"; do
   case "$s" in
     info) nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/info.txt" ;;
     tests)
-      for t in ${TESTS:-gpu_units gpu_fwd gpu_bwd gpu_active tp gpu_reliability tuner reference}; do
+      for t in ${TESTS:-gpu_units gpu_fwd gpu_bwd gpu_active gpu_capture tp gpu_reliability tuner reference}; do
         [ -x "$B/$t" ] || continue
         echo "== $t"
         run_tests "$t" tests.log "${FILTER:-}"

@@ -21,7 +21,7 @@
 
 use lmhead::cudarc::driver::{CudaSlice, CudaStream};
 use lmhead::testing::{download_f32, poison, upload, upload_bf16};
-use lmhead::{Choice, Family, FwdInputs, FwdOptions, FwdOutputs, LmHead, Problem};
+use lmhead::{Choice, Family, FwdInputs, FwdOptions, FwdOutputs, LabelCheck, LmHead, Problem};
 use lmhead_reference::{forward_rows, Case, Structure, IGNORE_INDEX};
 use lmhead_tests::{case_seed, check, gpu_or_skip, run_seed};
 use std::sync::Arc;
@@ -327,15 +327,18 @@ fn naive_level00() {
     run_all("gpu_fwd::naive_level00", &cases);
 }
 
-/// A label outside `[0, v)` that is not ignore_index: with the label check (the default) a typed
-/// error naming the row and label before anything runs, so the outputs keep their poison; with
-/// the check off, NaN in that row (never a plausible number) and the other rows computed.
+/// A label outside `[0, v)` that is not ignore_index: with the synchronous label check (the
+/// default) a typed error naming the row and label before anything runs, so the outputs keep
+/// their poison; with the deferred check, NaN in that row, the other rows computed, and the row
+/// reported by `take_label_status` (once: the read clears it); with the check off, NaN in that
+/// row and nothing reported.
 #[test]
 fn bad_label_is_an_error() {
     let Some((head, stream)) = gpu_or_skip("gpu_fwd::bad_label_is_an_error") else { return };
     let (t, v, d) = (5, 100, 64);
     let case = Case::generate(1, t, v, d, &Structure::default());
     let mut labels: Vec<i32> = case.labels.iter().map(|&l| l as i32).collect();
+    labels[3] = -7;
     labels[2] = v as i32;
     labels[0] = 0;
     labels[4] = 1;
@@ -344,7 +347,8 @@ fn bad_label_is_an_error() {
     let lab = upload(&stream, &labels).unwrap();
     let mut lp: CudaSlice<f32> = stream.alloc_zeros(t).unwrap();
     let mut lse: CudaSlice<f32> = stream.alloc_zeros(t).unwrap();
-    for check_labels in [true, false] {
+    assert!(head.take_label_status(&stream).is_ok(), "no deferred check ran yet");
+    for check_labels in [LabelCheck::Sync, LabelCheck::Deferred, LabelCheck::Off] {
         poison(&stream, &mut lp).unwrap();
         poison(&stream, &mut lse).unwrap();
         let r = head.forward(
@@ -354,13 +358,31 @@ fn bad_label_is_an_error() {
             FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: None },
         );
         let got = download_f32(&stream, &lp).unwrap();
-        if check_labels {
+        let status = head.take_label_status(&stream);
+        if check_labels == LabelCheck::Sync {
             assert!(matches!(r, Err(lmhead::Error::BadLabel { row: Some(2), label: Some(l) }) if l == v as i64), "{r:?}");
             assert!(got.iter().all(|x| x.is_nan()), "a refused call wrote its outputs: {got:?}");
         } else {
-            assert!(r.is_ok(), "{r:?}");
-            assert!(got[2].is_nan(), "bad-label row must be NaN, got {}", got[2]);
-            assert!(got[0].is_finite() && got[4].is_finite(), "{got:?}");
+            assert!(r.is_ok(), "{check_labels:?}: {r:?}");
+            assert!(got[2].is_nan() && got[3].is_nan(), "{check_labels:?}: bad-label rows must be NaN, got {got:?}");
+            assert!(got[0].is_finite() && got[4].is_finite(), "{check_labels:?}: {got:?}");
         }
+        if check_labels == LabelCheck::Deferred {
+            assert!(matches!(status, Err(lmhead::Error::BadLabel { row: Some(2), label: None })), "{status:?}");
+        } else {
+            assert!(status.is_ok(), "{check_labels:?} recorded a deferred status: {status:?}");
+        }
+        assert!(head.take_label_status(&stream).is_ok(), "the read clears the status");
     }
+    // Good labels under the deferred check report nothing.
+    let good: Vec<i32> = (0..t as i32).collect();
+    let good = upload(&stream, &good).unwrap();
+    head.forward(
+        &stream,
+        &FwdInputs { h: &h, w: &w, labels: &good, problem: Problem::new(t, v, d) },
+        &FwdOptions { check_labels: LabelCheck::Deferred, ..Default::default() },
+        FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: None },
+    )
+    .unwrap();
+    assert!(head.take_label_status(&stream).is_ok());
 }

@@ -12,7 +12,9 @@ use std::sync::Arc;
 
 use lmhead::cudarc::driver::{CudaSlice, CudaStream};
 use lmhead::tune::bench::median;
-use lmhead::{bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, Family, FwdInputs, FwdOptions, FwdOutputs, GradOut, LmHead, Problem};
+use lmhead::{
+    bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, Family, FwdInputs, FwdOptions, FwdOutputs, GradOut, LabelCheck, LmHead, Problem,
+};
 
 use crate::{random_bf16, sample, Args};
 
@@ -62,7 +64,7 @@ fn probe(head: &LmHead, stream: &Arc<CudaStream>, args: &Args, (t, v, d): (usize
     bwd.push(("bwd tuned".into(), BwdConfigs::all(Choice::Auto)));
 
     // The forward with entropy once (tuned), for the backward's saved lse and entropy.
-    let fo = FwdOptions { check_labels: false, ..Default::default() };
+    let fo = FwdOptions { check_labels: LabelCheck::Off, ..Default::default() };
     head.forward(stream, &x, &fo, FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) })?;
     let (lse_s, ent_s) = (lse.clone(), ent.clone());
     let bx = BwdInputs {
@@ -139,7 +141,7 @@ fn forward(
     lse: &mut CudaSlice<f32>,
     ent: &mut CudaSlice<f32>,
 ) -> lmhead::Result<lmhead::FwdReport> {
-    let o = FwdOptions { config, check_labels: false, ..Default::default() };
+    let o = FwdOptions { config, check_labels: LabelCheck::Off, ..Default::default() };
     let entropy = (family == Family::FwdEnt).then_some(ent as _);
     head.forward(stream, x, &o, FwdOutputs { logprob: lp, lse, entropy })
 }

@@ -192,7 +192,11 @@ pub fn measure(heads: &[&LmHead], stream: &Arc<CudaStream>, c: &Case, args: &Arg
     }
     let data = Data {
         x: FwdInputs { h: &h, w: &w, labels: &lab, problem: p },
-        fo: FwdOptions { config: choice, check_labels: args.check_labels, ..Default::default() },
+        fo: FwdOptions {
+            config: choice,
+            check_labels: if args.check_labels { lmhead::LabelCheck::Sync } else { lmhead::LabelCheck::Off },
+            ..Default::default()
+        },
         bo,
         gl: &gl,
         ge: &ge,

@@ -20,7 +20,7 @@ use std::time::Instant;
 use lmhead::cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use lmhead::tp::Dev;
 use lmhead::tp::{Communicator, NcclComm, ReduceDh, ReduceOp, Shard, TpBackward};
-use lmhead::{bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, FwdInputs, FwdOptions, FwdOutputs, GradOut, LmHead, Problem};
+use lmhead::{bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, FwdInputs, FwdOptions, FwdOutputs, GradOut, LabelCheck, LmHead, Problem};
 use lmhead_core::record::{Timing, TpRow};
 use lmhead_reference::rng::Rng;
 
@@ -154,7 +154,7 @@ fn run_rank(head: &LmHead, stream: &Arc<CudaStream>, r: &Rank, pb: &Problem0<'_>
     let mut dh = lmhead::testing::zeros::<bf16>(stream, t * d, "dh")?;
     let mut dw = lmhead::testing::zeros::<bf16>(stream, v * d, "dW")?;
     let mut blas = cublas::Gemm::new(stream.clone(), t, v, d)?;
-    let fo = FwdOptions { config: Choice::Auto, check_labels: false, ..Default::default() };
+    let fo = FwdOptions { config: Choice::Auto, check_labels: LabelCheck::Off, ..Default::default() };
     let bo = BwdOptions { config: BwdConfigs::all(Choice::Auto), ..Default::default() };
     let x = FwdInputs { h: &h, w: &w, labels: &lab, problem: p };
     let none = NoComm { rank, size: n };

@@ -32,7 +32,7 @@ if L.gpu_supported():
 PY
 rc=0
 # From tests/: the source tree's lmhead_torch/ (no native module) must not shadow /tmp/site.
-(cd tests && timeout "${PYTEST_TIMEOUT:-900}" "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu ${PYTEST_ARGS:-} . ) 2>&1 | tee "$OUT/pytest-gpu.log" || rc=$?
+(cd tests && timeout "${PYTEST_TIMEOUT:-1800}" "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu ${PYTEST_ARGS:-} . ) 2>&1 | tee "$OUT/pytest-gpu.log" || rc=$?
 brc=0
 (cd tests && timeout "${BENCH_TIMEOUT:-600}" "$PYTHON" -m lmhead_torch.bench --out "$OUT/bench.jsonl" ${BENCH_ARGS:-} ) 2>&1 | tee "$OUT/bench.md" || brc=$?
 [ "$rc" -ne 0 ] || rc=$brc

@@ -168,21 +168,16 @@ fn plan_for(c: Compaction, pass: Pass, t: usize, n: usize, v: usize, d: usize) -
     }
 }
 
-/// Whether the call may read from the device synchronously: not while `stream` is being
-/// captured into a CUDA graph (the read would invalidate the capture), nor when its capture
-/// status cannot be read.
-fn host_read_allowed(stream: &CudaStream) -> bool {
-    matches!(stream.capture_status(), Ok(cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE))
+/// Whether a forward with `opts` counts its active rows (in the `Sync` label check's read; the
+/// caller runs that check only where a host read is allowed, never under capture).
+pub(crate) fn counts_fwd(opts: &FwdOptions) -> bool {
+    opts.compaction != Compaction::Off && !opts.naive()
 }
 
-/// Whether a forward with `opts` counts its active rows (in the label check's read).
-pub(crate) fn counts_fwd(opts: &FwdOptions, stream: &CudaStream) -> bool {
-    opts.compaction != Compaction::Off && opts.check_labels && !opts.naive && host_read_allowed(stream)
-}
-
-/// Whether a backward with `opts` counts its active rows.
-pub(crate) fn counts_bwd(opts: &BwdOptions, stream: &CudaStream) -> bool {
-    opts.compaction != Compaction::Off && host_read_allowed(stream)
+/// Whether a backward with `opts` on `capturing` stream counts its active rows (one small
+/// synchronous read, which a stream being captured into a CUDA graph must not see).
+pub(crate) fn counts_bwd(opts: &BwdOptions, capturing: bool) -> bool {
+    opts.compaction != Compaction::Off && !capturing
 }
 
 /// How a call counts: with its communicator when it has collectives (the ranks' flags are

@@ -243,9 +243,11 @@ impl LmHead {
             x: LogitsIn { dims: Dims { t: p.t, v: p.v, d: p.d }, sc, h: &h, w: &w, labels: &labels },
             g: DlogitsIn { lse: &lse, grad_logprob: gl.as_ref(), ent: ent.as_ref().map(|(a, b)| (a, b)) },
         };
-        let mut guard = self.call_ws();
+        // Under CUDA-graph capture nothing may wait for the device (see `capture.rs`).
+        let capture = crate::capture::capturing(stream)?;
+        let mut guard = self.call_ws(capture);
         let ws = &mut *guard;
-        if crate::active::counts_bwd(opts, stream) {
+        if crate::active::counts_bwd(opts, capture) {
             return crate::active::backward(self, ws, stream, (opts, reduce_dh, shard.v_total), &x, (&dh, dw.as_ref()));
         }
         self.backward_dev(ws, stream, opts, reduce_dh, &x, (&dh, dw.as_ref()))
@@ -276,12 +278,20 @@ impl LmHead {
         };
         let stride = stride_of(chunk);
         let chunks = p.v.div_ceil(chunk);
+        let capture = crate::capture::capturing(stream)?;
         let overlap = dw.is_some() && opts.dw_beside_dh;
         {
             // dW beside dh (one chunk's two GEMMs read the same staging and write disjoint
             // outputs): on the side stream after the chunk's d-logits, joined back before the
             // next chunk's d-logits overwrite the staging buffer.
             let side = if overlap { Some(Side::of(&mut ws.side, stream)?) } else { None };
+            if let (true, Some(s)) = (capture, side) {
+                // Under capture the side stream joins the capture here, before its first tensor
+                // maps are copied (`launch::bwd_gemm_after` copies them before it waits for the
+                // chunk's d-logits): the copies are recorded into the graph too.
+                s.ready.record(stream).during(|| "recording the capture's fork event".into())?;
+                s.stream.wait(&s.ready).during(|| "joining the dW stream to the capture".into())?;
+            }
             let src = &mut ws.src;
             let staging = ws.staging.get(src, stream, p.t * stride)?;
             let staging = dev_out(staging, stream, "staging")?;

@@ -33,6 +33,9 @@ pub enum Error {
     Driver { during: String, source: cudarc::driver::DriverError },
     /// The tensor-parallel communicator failed.
     Comm(String),
+    /// Something a call on a stream that is capturing a CUDA graph cannot do (a host read, a
+    /// tuning trial); it says what to do instead.
+    Capture(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -50,6 +53,10 @@ impl std::fmt::Display for Error {
             Error::Temperature(t) => write!(f, "temperature must be finite and > 0, got {t}"),
             Error::BadLabel { row, label } => match (row, label) {
                 (Some(r), Some(l)) => write!(f, "label {l} of row {r} is outside [0, vocab) and is not ignore_index"),
+                (Some(r), None) => write!(
+                    f,
+                    "the label of row {r} (the lowest such row) is outside [0, vocab) and is not ignore_index (those rows are NaN)"
+                ),
                 _ => write!(f, "some label is outside [0, vocab) and is not ignore_index (those rows are NaN)"),
             },
             Error::Invalid(s) => write!(f, "invalid arguments: {s}"),
@@ -58,6 +65,7 @@ impl std::fmt::Display for Error {
             Error::OutOfMemory { what, bytes } => write!(f, "out of device memory allocating {what} ({bytes} bytes)"),
             Error::Driver { during, source } => write!(f, "CUDA error while {during}: {source}"),
             Error::Comm(s) => write!(f, "communicator: {s}"),
+            Error::Capture(s) => write!(f, "under CUDA-graph capture: {s}"),
         }
     }
 }

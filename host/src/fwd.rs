@@ -19,7 +19,7 @@ use crate::tp::{Communicator, Shard};
 use crate::tune::{Choice, TuneKey};
 use crate::validate;
 use crate::workspace::zeros;
-use crate::{bf16, LabelType, LmHead};
+use crate::{bf16, LabelCheck, LabelType, LmHead};
 
 /// Inputs of a forward call. `h` is `[t][d]`, `W` is `[v][d]` (bf16, rows contiguous), labels `[t]`.
 pub struct FwdInputs<'a, L: LabelType> {
@@ -45,12 +45,15 @@ pub struct FwdOptions {
     pub temperature: f32,
     /// Rows with this label report log-prob 0 and entropy 0 (and get no gradient). Default −100.
     pub ignore_index: i64,
-    /// Check every label before anything runs (one small kernel and a 12-byte synchronous read,
-    /// which also brings back the active rows' count, [`crate::active`]) and fail with
-    /// [`Error::BadLabel`] (first offending row and its label) when one is outside `[0, v)` and
-    /// not `ignore_index`; nothing is tuned or written then. Without the check such rows come
-    /// out NaN and the call succeeds, and every row is computed. Default true.
-    pub check_labels: bool,
+    /// How the labels are checked ([`LabelCheck`]). `Sync` (the default): every label before
+    /// anything runs (one small kernel and a 12-byte synchronous read, which also brings back
+    /// the active rows' count, [`crate::active`]), failing with [`Error::BadLabel`] (first
+    /// offending row and its label) when one is outside `[0, v)` and not `ignore_index`; nothing
+    /// is tuned or written then. `Deferred` (what `Sync` becomes on a stream that is capturing a
+    /// CUDA graph): no host read, such rows come out NaN and [`LmHead::take_label_status`]
+    /// reports them later. `Off`: NaN rows, nothing recorded. Without the `Sync` read every row
+    /// is computed (nothing is compacted).
+    pub check_labels: LabelCheck,
     /// How the tile config is chosen. Default [`Choice::Auto`].
     #[cfg(feature = "testing")]
     pub config: Choice,
@@ -69,7 +72,7 @@ impl Default for FwdOptions {
         Self {
             temperature: 1.0,
             ignore_index: lmhead_reference::IGNORE_INDEX,
-            check_labels: true,
+            check_labels: LabelCheck::Sync,
             #[cfg(feature = "testing")]
             config: Choice::Auto,
             #[cfg(feature = "testing")]
@@ -198,12 +201,22 @@ impl LmHead {
         let dims = Dims { t: p.t, v: p.v, d: p.d };
         let x = LogitsIn { dims, sc, h: &h, w: &w, labels: &labels };
         let f = FwdDev { x, shard, comm, logprob: &logprob, lse: &lse, entropy: entropy.as_ref() };
-        let mut ws = self.call_ws();
+        // Under CUDA-graph capture nothing may wait for the device (see `capture.rs`).
+        let capture = crate::capture::capturing(stream)?;
+        let mut ws = self.call_ws(capture);
         let ws = &mut *ws;
-        // The active rows are counted in the label check's one read (`crate::active`).
-        let count = crate::active::counts_fwd(opts, stream).then_some(crate::active::Count { comm });
-        let active =
-            if opts.check_labels { self.check_labels(ws, stream, &labels, p.t, (shard.v_total, opts.ignore_index), count)? } else { None };
+        let active = match opts.check_labels.under(capture) {
+            // The active rows are counted in the label check's one read (`crate::active`).
+            LabelCheck::Sync => {
+                let count = crate::active::counts_fwd(opts).then_some(crate::active::Count { comm });
+                self.check_labels(ws, stream, &labels, p.t, (shard.v_total, opts.ignore_index), count)?
+            }
+            LabelCheck::Deferred => {
+                self.check_labels_deferred(stream, &labels, p.t, shard.v_total, opts.ignore_index)?;
+                None
+            }
+            LabelCheck::Off => None,
+        };
         match active {
             Some(n) => crate::active::forward(self, ws, stream, &f, opts, n),
             None => self.forward_dev(ws, stream, &f, opts),

@@ -52,6 +52,7 @@ pub mod cpu;
 mod device;
 mod error;
 mod fwd;
+mod labels;
 mod plan;
 pub mod tp;
 mod workspace;
@@ -78,6 +79,7 @@ pub use active::Compaction;
 pub use borrowed::{borrowed_stream, Borrowed};
 pub use bwd::{BwdInputs, BwdOptions, BwdReport, GradOut};
 pub use fwd::{FwdInputs, FwdOptions, FwdOutputs, FwdReport};
+pub use labels::LabelCheck;
 pub use workspace::ScratchAlloc;
 
 #[cfg(feature = "testing")]
@@ -129,6 +131,8 @@ pub struct LmHead {
     gpu: Arc<Gpu>,
     tuner: Tuner,
     ws: Mutex<workspace::Workspace>,
+    /// What deferred label checks found ([`LmHead::take_label_status`]).
+    label_status: labels::Status,
 }
 
 impl LmHead {
@@ -154,7 +158,7 @@ impl LmHead {
     fn with_tuner_impl(gpu: Arc<Gpu>, mut tuner: Tuner) -> Self {
         let g = gpu.clone();
         tuner.set_loads(Arc::new(move |f, c| g.tuned_function(f, c).is_ok()));
-        Self { gpu, tuner, ws: Mutex::new(workspace::Workspace::new()) }
+        Self { gpu, tuner, ws: Mutex::new(workspace::Workspace::new()), label_status: labels::Status::default() }
     }
 
     /// The device handle (kernels, limits).
@@ -206,9 +210,12 @@ impl LmHead {
         self.ws.lock().unwrap().set_scratch(alloc);
     }
 
-    /// The workspace for one call (held until the call returns).
-    pub(crate) fn call_ws(&self) -> workspace::CallWs<'_> {
-        workspace::CallWs(self.ws.lock().unwrap())
+    /// The workspace for one call (held until the call returns); `capture`: the call's stream
+    /// is capturing a CUDA graph, so every buffer is the call's own (see `workspace.rs`).
+    pub(crate) fn call_ws(&self, capture: bool) -> workspace::CallWs<'_> {
+        let mut ws = self.ws.lock().unwrap();
+        ws.src.capture = capture;
+        workspace::CallWs(ws)
     }
 
     /// Whether a call on `stream` may time trials of `rows` rows and `macs` multiply-adds for any

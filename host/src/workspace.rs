@@ -18,6 +18,14 @@
 //!   allocator, so its accounting and `empty_cache` see the workspace; keeping the forward's
 //!   buffers saves two allocator callbacks per forward.)
 //!
+//! **Under CUDA-graph capture** a graph bakes in every address it uses and may replay long after
+//! the call, so a captured call takes none of the buffers kept across calls (they may be grown,
+//! handed back or used by an eager call meanwhile) and waits on no event recorded outside the
+//! capture: every buffer it needs is its own, asked for fresh (from the [`ScratchAlloc`], which
+//! for PyTorch allocates from the graph's private pool, or else on the call's stream through the
+//! stream-ordered allocator, which a graph records as its own allocation) and handed back
+//! stream-ordered when the call ends. The kept buffers stay as they were for the next eager call.
+//!
 //! A new buffer is zero-filled only where a kernel may read what no kernel of the call wrote:
 //! the backward's staging buffer (its padding columns). The forward partials, the row states,
 //! the status words and the `dh` accumulator are written before they are read in every call
@@ -167,6 +175,8 @@ pub struct Source {
     scratch: Option<Arc<dyn ScratchAlloc>>,
     /// The library's own allocation stream (created on first use).
     own: Option<Arc<CudaStream>>,
+    /// The current call's stream is capturing a CUDA graph: every buffer is the call's own.
+    pub capture: bool,
 }
 
 impl Source {
@@ -181,6 +191,8 @@ impl Source {
 /// One growable buffer.
 pub struct Grow<T> {
     buf: Option<WsBuf<T>>,
+    /// The buffer of a captured call (see the module docs), handed back when the call ends.
+    call_only: Option<WsBuf<T>>,
     what: &'static str,
     /// Zero a new buffer (one whose unwritten parts a kernel may read).
     zero: bool,
@@ -191,25 +203,28 @@ pub struct Grow<T> {
 impl<T: DeviceRepr + ValidAsZeroBits> Grow<T> {
     /// A small buffer written before it is read in every call (lent ones kept across calls).
     pub const fn new(what: &'static str) -> Self {
-        Self { buf: None, what, zero: false, keep: true }
+        Self { buf: None, call_only: None, what, zero: false, keep: true }
     }
 
     /// A large buffer some kernel reads beyond what the call writes: zeroed when new, lent
     /// ones handed back when the call ends.
     pub const fn per_call_zeroed(what: &'static str) -> Self {
-        Self { buf: None, what, zero: true, keep: false }
+        Self { buf: None, call_only: None, what, zero: true, keep: false }
     }
 
     /// A large buffer written before it is read in every call, lent ones handed back when the
     /// call ends.
     pub const fn per_call(what: &'static str) -> Self {
-        Self { buf: None, what, zero: false, keep: false }
+        Self { buf: None, call_only: None, what, zero: false, keep: false }
     }
 
     /// A buffer of at least `len` elements for a call on `stream` (zeroed when new if
     /// [`Grow::per_call_zeroed`]; the library's own buffers are always zeroed when new).
     pub fn get(&mut self, src: &mut Source, stream: &Arc<CudaStream>, len: usize) -> Result<&mut WsBuf<T>> {
         let len = len.max(1);
+        if src.capture {
+            return self.get_captured(src, stream, len);
+        }
         if self.buf.as_ref().is_none_or(|b| b.len() < len) {
             self.buf = None; // hand the old one back first
             let bytes = len * std::mem::size_of::<T>();
@@ -240,8 +255,46 @@ impl<T: DeviceRepr + ValidAsZeroBits> Grow<T> {
         Ok(self.buf.as_mut().unwrap())
     }
 
+    /// [`Grow::get`] for a call on a capturing stream: a buffer of the call's own (see the
+    /// module docs), zeroed when new like the others.
+    fn get_captured(&mut self, src: &mut Source, stream: &Arc<CudaStream>, len: usize) -> Result<&mut WsBuf<T>> {
+        if self.call_only.as_ref().is_none_or(|b| b.len() < len) {
+            self.end_captured();
+            let bytes = len * std::mem::size_of::<T>();
+            let b = match &src.scratch {
+                Some(alloc) => {
+                    let ptr = alloc.alloc(bytes, stream)?;
+                    if ptr == 0 || !ptr.is_multiple_of(256) {
+                        return Err(Error::Invalid(format!("the scratch allocator returned address {ptr:#x} for {}", self.what)));
+                    }
+                    // SAFETY: the allocator's contract (as in `get`); used only on `stream` in
+                    // this call and handed back stream-ordered when it ends (`end_captured`).
+                    let view = unsafe { Borrowed::new(ptr, len, stream) };
+                    let mut b = Lent { view, alloc: alloc.clone(), last_use: LastUse::ThisCall };
+                    if self.zero {
+                        stream.memset_zeros(&mut b.view).during(|| format!("zeroing {}", self.what))?;
+                    }
+                    WsBuf::Lent(b)
+                }
+                // On the call's stream: the graph records the allocation and the free.
+                None => WsBuf::Owned(stream.alloc_zeros::<T>(len).map_err(|_| Error::OutOfMemory { what: self.what, bytes })?),
+            };
+            self.call_only = Some(b);
+        }
+        Ok(self.call_only.as_mut().unwrap())
+    }
+
+    /// Hand back a captured call's buffer, stream-ordered (it was used on that call's stream only).
+    fn end_captured(&mut self) {
+        if let Some(WsBuf::Lent(b)) = self.call_only.as_mut() {
+            b.last_use = LastUse::Done;
+        }
+        self.call_only = None;
+    }
+
+    /// Bytes held now: the kept or per-call buffer, and a captured call's own.
     pub fn bytes(&self) -> usize {
-        self.buf.as_ref().map_or(0, |b| b.len() * std::mem::size_of::<T>())
+        [&self.buf, &self.call_only].iter().map(|b| b.as_ref().map_or(0, |b| b.len() * std::mem::size_of::<T>())).sum()
     }
 
     pub fn release(&mut self) {
@@ -251,6 +304,7 @@ impl<T: DeviceRepr + ValidAsZeroBits> Grow<T> {
     /// The end of a call: a lent buffer this call used records its last use, and is handed back
     /// unless kept.
     pub(crate) fn end_call(&mut self) {
+        self.end_captured();
         let Some(WsBuf::Lent(b)) = self.buf.as_mut() else { return };
         if !matches!(b.last_use, LastUse::ThisCall) {
             return; // not used in this call
@@ -395,8 +449,10 @@ impl Workspace {
         self.active.release();
     }
 
-    /// The end of a call: lent buffers record their last use; the per-call ones go back.
+    /// The end of a call: lent buffers record their last use; the per-call ones (and every
+    /// buffer of a captured call) go back.
     pub fn end_call(&mut self) {
+        self.src.capture = false;
         self.partials.end_call();
         self.row_state.end_call();
         self.status.end_call();

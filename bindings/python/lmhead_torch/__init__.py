@@ -2,19 +2,24 @@
 
 Per token ``log_softmax(hidden · weightᵀ / T)[label]``, optionally the entropy, and the
 gradients of both in ``hidden`` and ``weight``, without materialising the ``tokens × vocab``
-logits. CUDA tensors run the library's kernels (H100/H200, sm_90) zero-copy on PyTorch's current
-stream; CPU tensors run its exact float64 backend.
+logits. CUDA tensors run the library's kernels zero-copy on PyTorch's current stream; CPU
+tensors run its exact float64 backend.
 
-- :func:`fused_linear_logprob` — the op (autograd, tensor parallelism, ``ignore_index``).
+- :func:`fused_linear_logprob` — the op (autograd, tensor parallelism, ``ignore_index``,
+  ``active_mask``); traced by ``torch.compile`` as the custom op ``lmhead::forward``, and
+  capturable in a CUDA graph.
 - :func:`linear_cross_entropy` — drop-in for verl's kernel.
-- :class:`FusedLinearLogprob` — drop-in for SkyRL's fused LM-head log-prob.
-- :func:`warm_up`, :func:`release_workspace`, :func:`gpu_supported`.
+- :class:`FusedLinearLogprob`, :func:`fused_vocab_parallel_entropy_from_hidden` — drop-ins for
+  SkyRL's fused LM-head log-prob and entropy.
+- :func:`warm_up`, :func:`release_workspace`, :func:`gpu_supported`, :func:`set_label_check`,
+  :func:`check_labels_status`, :func:`set_precision`.
 
 Errors: ``ValueError`` (``InputError``) for bad shapes, dtypes, lengths, alignment, options and
 labels; ``torch.cuda.OutOfMemoryError`` when device memory runs out; ``UnavailableError`` (a
-``RuntimeError``) without a CUDA driver or on a GPU other than compute capability 9.0 — catch it
-to fall back; ``DeviceError`` / ``CommError`` (``RuntimeError``) for driver and all-reduce
-failures. See README.md for the environment variables.
+``RuntimeError``) without a CUDA driver or on a GPU the library does not support — catch it to
+fall back (the drop-ins fall back by themselves); ``DeviceError`` / ``CommError``
+(``RuntimeError``) for driver, capture and all-reduce failures. See README.md for the
+environment variables.
 """
 
 from __future__ import annotations
@@ -31,23 +36,27 @@ from ._core import (
     UnavailableError,
     _call,
     _ensure_device,
-    fused_linear_logprob,
+    check_labels_status,
+    device_supported,
+    set_label_check,
+    set_precision,
 )
-from .skyrl import FusedLinearLogprob
+from ._op import fused_linear_logprob
+from .skyrl import FusedLinearLogprob, fused_vocab_parallel_entropy_from_hidden
 from .verl import linear_cross_entropy
 
 __version__ = _native.__version__
 
 
 def gpu_supported(device=None) -> bool:
-    """Whether ``device`` (default: the current CUDA device) can run the kernels: a CUDA driver,
-    and compute capability 9.0 (H100/H200). Opens nothing."""
+    """Whether ``device`` (default: the current CUDA device) can run the kernels: the library's
+    own answer (a CUDA driver, and a device it supports), which opens the device (cached)."""
     if not torch.cuda.is_available() or not _native.driver_present():
         return False
     dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     if dev.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(dev) == (9, 0)
+    return device_supported(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 def warm_up(
@@ -95,6 +104,10 @@ __all__ = [
     "fused_linear_logprob",
     "linear_cross_entropy",
     "FusedLinearLogprob",
+    "fused_vocab_parallel_entropy_from_hidden",
+    "set_label_check",
+    "check_labels_status",
+    "set_precision",
     "warm_up",
     "release_workspace",
     "gpu_supported",

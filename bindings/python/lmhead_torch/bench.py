@@ -15,7 +15,12 @@ the inputs (``torch.cuda.max_memory_allocated``). Implementations:
 - ``liger``: ``liger_kernel``'s ``LigerFusedLinearCrossEntropyFunction`` with
   ``reduction="sum"`` (it has no per-token backward and no entropy; it computes the gradients
   inside its forward when the inputs require them, so its "fwd" column is measured without
-  grad and its fwd+bwd includes that work).
+  grad and its fwd+bwd includes that work);
+- with an fp32 weight (bf16 hidden, the gradient taken in the fp32 weight; not in the default
+  list): ``fp32w-lmhead`` (the default ``precision="bf16"``: the weight rounded once per call),
+  ``fp32w-cast`` (the caller's ``weight.to(torch.bfloat16)`` inside the timed call, then the bf16
+  op: the baseline the default must not be slower than) and ``fp32w-split``
+  (``precision="split"``).
 
 Overhead: wall-clock of one synchronised call, the binding (``fused_linear_logprob`` under
 ``no_grad``; the backward wrapper) against the native entry that loops the Rust call on the same
@@ -42,7 +47,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 import lmhead_torch as L
-from lmhead_torch import _core, _native
+from lmhead_torch import _core, _impl, _native
 
 DEFAULT_SHAPES = [(4096, 32000, 4096), (8192, 128256, 4096), (4096, 151936, 3584), (16384, 151936, 2048), (1937, 152064, 3584)]
 QUICK_SHAPES = [(4096, 32000, 4096), (8192, 128256, 4096)]
@@ -117,6 +122,14 @@ def _torch_chunked(h, w, labels, chunk=1024):
 
 def _lmhead(h, w, labels):
     return L.fused_linear_logprob(h, w, labels)
+
+
+# The fp32-weight variants: called with the fp32 weight (see ``bench_shape``).
+_FP32W = {
+    "fp32w-lmhead": lambda h, w, labels: L.fused_linear_logprob(h, w, labels),
+    "fp32w-cast": lambda h, w, labels: L.fused_linear_logprob(h, w.to(torch.bfloat16), labels),
+    "fp32w-split": lambda h, w, labels: L.fused_linear_logprob(h, w, labels, precision="split"),
+}
 
 
 def _verl():
@@ -247,15 +260,16 @@ def _overhead(h, w, labels, reps: int, cuda: bool) -> Dict[str, float]:
     lp = torch.empty(t, device=dev)
     lse = torch.empty(t, device=dev)
     ent = torch.empty(t, device=dev)
-    i64 = labels.dtype == torch.int64
-    fargs = (idx, stream, h.data_ptr(), w.data_ptr(), labels.data_ptr(), i64, t, v, d, lp.data_ptr(), lse.data_ptr(), ent.data_ptr(), 1.0, -100)
+    cfg = _impl._Cfg(1.0, -100, True, None, True)
+    sc = (1.0, -100, 0, v, 0)
+    fargs = ((idx, stream), _impl._fwd_bufs(h, w, labels, d, lp, lse, ent), sc)
     with torch.no_grad():
-        lpx, lsex, entx = _core._forward(h, w, labels, _core._Cfg(1.0, -100, True, None, True))
+        lpx, lsex, entx, _, _ = _impl._forward(h, w, labels, cfg)
     g1 = torch.randn(t, device=dev)
     g2 = torch.randn(t, device=dev)
     dh = torch.empty_like(h)
     dw = torch.empty_like(w)
-    bargs = (idx, stream, h.data_ptr(), w.data_ptr(), labels.data_ptr(), i64, t, v, d, lsex.data_ptr(), entx.data_ptr(), g1.data_ptr(), g2.data_ptr(), dh.data_ptr(), dw.data_ptr(), 1.0, -100)
+    bargs = ((idx, stream), _impl._bwd_bufs(h, w, labels, lsex, entx, g1, g2, dh, dw), sc)
 
     def rust_own(fn, args):
         _native.set_scratch(idx, None)
@@ -305,7 +319,6 @@ def _overhead(h, w, labels, reps: int, cuda: bool) -> Dict[str, float]:
     # Enough pairs that the median difference is not the GPU's clock noise (±2% of a call).
     pairs = max(reps, 30)
     hh = h.detach().requires_grad_(True)
-    cfg = _core._Cfg(1.0, -100, True, None, True)
 
     def fwd_nograd():
         with torch.no_grad():
@@ -313,7 +326,7 @@ def _overhead(h, w, labels, reps: int, cuda: bool) -> Dict[str, float]:
 
     pf = paired(_native.time_forward, fargs, fwd_nograd)
     pa = paired(_native.time_forward, fargs, lambda: L.fused_linear_logprob(hh, w, labels))
-    pb = paired(_native.time_backward, bargs, lambda: _core._backward(h, w, labels, lsex, entx, g1, g2, True, cfg))
+    pb = paired(_native.time_backward, bargs, lambda: _impl._backward(h, w, None, None, labels, lsex, entx, g1, g2, True, cfg))
     res = {
         "rust_fwd_us": rust_own(_native.time_forward, fargs),
         "rust_torch_ws_fwd_us": pf["rust"],
@@ -358,7 +371,9 @@ def bench_shape(t, v, d, impls: List[str], reps: int, warmup: int, device: torch
         "torch-chunked": lambda a, b, c: _torch_chunked(a, b, c, chunk),
         "verl": _verl(),
         "liger": _liger(),
+        **_FP32W,
     }
+    w32 = w.float() if any(n in _FP32W for n in impls) else None
     rows = []
     for name in impls:
         fn = table.get(name)
@@ -372,12 +387,13 @@ def bench_shape(t, v, d, impls: List[str], reps: int, warmup: int, device: torch
             rows.append(row)
             continue
         try:
+            wx = w32 if name in _FP32W else w
             hh = h.detach().requires_grad_(True)
-            ww = w.detach().requires_grad_(True)
+            ww = wx.detach().requires_grad_(True)
 
             def fwd():
                 with torch.no_grad():
-                    return fn(h, w, labels)
+                    return fn(h, wx, labels)
 
             def fwd_bwd():
                 lp, ent = fn(hh, ww, labels)

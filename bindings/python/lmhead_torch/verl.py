@@ -14,11 +14,19 @@ Same signature, shapes, dtypes, reductions and tensor-parallel semantics as verl
   rank's partial sum — verl all-reduces it outside the op ("all-reduce on hidden is conducted
   outside the kernel", ``tests/utils/test_special_linear_cross_entropy_tp.py``).
 - Gradients: ``d hidden`` in hidden's dtype and shape, ``d weight`` in weight's dtype.
+- ``"mean"`` divides the sum by ``N``, every token: verl's kernels divide by ``num_tokens =
+  labels.shape[0]`` in the forward (``tl.sum(logprobs) / num_tokens``) and scale the upstream
+  gradient by ``1 / num_tokens`` in the backward (``verl/utils/kernel/kernels.py``); verl has no
+  ignore index, so there is no "non-ignored" count to divide by.
+- The vocabulary is ``world · V`` from the equal shards: no communication per call.
 
 Differences (all supersets): ``H`` need only be a multiple of 8 (verl asserts 128); labels equal
-to ``-100`` give log-prob 0, entropy 0 and no gradient (verl has no ignore index: such a label
-reads uninitialised memory there), any other label outside ``[0, world·V)`` raises
-``ValueError``; fp32 inputs are computed through the bf16 split (see ``lmhead_torch``'s README).
+to ``-100`` give log-prob 0, entropy 0 and no gradient (in verl such a label matches no column,
+so its "log-prob" is ``-lse`` and it enters the sum and the mean), any other label outside
+``[0, world·V)`` raises ``ValueError``; fp32 inputs are computed as ``precision`` says (default
+``"bf16"``: rounded to bf16 once per call; see ``lmhead_torch``'s README). On a CUDA device the
+library does not support it falls back to the package's torch implementation (same semantics),
+with a warning.
 """
 
 from __future__ import annotations
@@ -27,7 +35,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from ._core import _bad, fused_linear_logprob
+from ._core import _bad, _check, _label_check, _precision
+from ._impl import _Cfg
+from ._op import _apply
+from ._tp import _make_tp
+from .skyrl import _fallback
 
 
 def linear_cross_entropy(
@@ -37,6 +49,8 @@ def linear_cross_entropy(
     temperature: float = 1.0,
     reduction: str = "none",
     dist_process_group=None,
+    *,
+    precision: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     if not isinstance(reduction, str) or reduction.lower() not in ("none", "sum", "mean"):
         raise _bad(f"Invalid reduction: {reduction}")
@@ -47,15 +61,17 @@ def linear_cross_entropy(
     lab = labels.reshape(-1)
     if h2.shape[0] != lab.shape[0]:
         raise _bad(f"{h2.shape[0]} tokens in hidden but {lab.shape[0]} labels")
-    kw = {}
+    temp = _check(h2, weight, lab, temperature)
+    tp = None
     group: Optional[object] = dist_process_group
     if group is not None:
         import torch.distributed as dist
 
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         v_local = int(weight.shape[0])
-        kw = dict(tp_group=group, vocab_start_index=rank * v_local, vocab_size=world * v_local, reduce_hidden_grad=False)
-    logprobs, entropy = fused_linear_logprob(h2, weight, lab, temperature, return_entropy=True, ignore_index=-100, **kw)
+        tp = _make_tp(group, v_local, rank * v_local, world * v_local, h2.device)
+    cfg = _Cfg(temp, -100, True, tp, False, False, _precision(precision), _label_check(None), _fallback(h2))
+    logprobs, entropy = _apply(h2, weight, lab, cfg)
     if reduction == "sum":
         logprobs = logprobs.sum()
     elif reduction == "mean":

@@ -3,14 +3,14 @@
 //! Five native classes, each a subclass of the built-in a caller expects, with a `kind`
 //! attribute naming the library's variant (`"shape"`, `"length"`, `"misaligned"`,
 //! `"temperature"`, `"bad_label"`, `"invalid"`, `"wrong_context"`, `"config"`, `"oom"`,
-//! `"driver"`, `"comm"`, `"no_driver"`, `"unsupported_device"`):
+//! `"driver"`, `"comm"`, `"capture"`, `"no_driver"`, `"unsupported_device"`):
 //!
 //! | class | base | variants |
 //! |---|---|---|
 //! | `InputError` | `ValueError` | `Shape`, `Length`, `Misaligned`, `Temperature`, `BadLabel`, `Invalid`, `WrongContext` |
 //! | `DeviceMemoryError` | `MemoryError` | `OutOfMemory`, a driver call failing with `CUDA_ERROR_OUT_OF_MEMORY` |
 //! | `UnavailableError` | `RuntimeError` | `NoDriver`, `UnsupportedDevice` (fall back to another implementation) |
-//! | `DeviceError` | `RuntimeError` | `Driver`, `Config` |
+//! | `DeviceError` | `RuntimeError` | `Driver`, `Config`, `Capture` (something a call under CUDA-graph capture cannot do) |
 //! | `CommError` | `RuntimeError` | `Comm` |
 //!
 //! The Python package re-raises `DeviceMemoryError` as `torch.cuda.OutOfMemoryError`.
@@ -27,7 +27,7 @@ pyo3::create_exception!(
     lmhead_torch._native,
     UnavailableError,
     PyRuntimeError,
-    "No CUDA driver, or a GPU the kernels are not built for (they need compute capability 9.0): use another implementation."
+    "No CUDA driver, or a GPU the library does not support: use another implementation."
 );
 pyo3::create_exception!(lmhead_torch._native, DeviceError, PyRuntimeError, "A CUDA driver call or kernel config failed.");
 pyo3::create_exception!(lmhead_torch._native, CommError, PyRuntimeError, "The tensor-parallel all-reduce failed.");
@@ -58,6 +58,7 @@ pub fn kind(e: &Error) -> &'static str {
         Error::Driver { source, .. } if is_oom(source) => "oom",
         Error::Driver { .. } => "driver",
         Error::Comm(_) => "comm",
+        Error::Capture(_) => "capture",
     }
 }
 

@@ -15,10 +15,8 @@
 //! PyTorch's caching allocator) take it back for their duration. A Python exception raised in a
 //! callback is kept and re-raised as the call's exception.
 //!
-//! The `#[pyfunction]` entries take the flat positional integer arguments `_core.py` passes
-//! (that list is the native boundary, fixed by the Python side), so clippy's argument limit is
-//! lifted for this crate rather than on each of them.
-#![allow(clippy::too_many_arguments)]
+//! The entries that take many numbers take them grouped in tuples, one per argument struct
+//! below (the call's target, its buffers, its scalars), as `_core.py` builds them.
 
 mod comm;
 mod errors;
@@ -31,7 +29,8 @@ use half::bf16;
 use lmhead::cpu::{CpuGrads, CpuInputs};
 use lmhead::cudarc::driver::CudaStream;
 use lmhead::{
-    Borrowed, BwdInputs, BwdOptions, Communicator, FwdInputs, FwdOptions, FwdOutputs, GradOut, LabelType, LmHead, Problem, ReduceDh, Shard,
+    Borrowed, BwdInputs, BwdOptions, Communicator, FwdInputs, FwdOptions, FwdOutputs, GradOut, LabelCheck, LabelType, LmHead, Problem,
+    ReduceDh, Shard,
 };
 use pyo3::prelude::*;
 
@@ -58,6 +57,20 @@ fn head(py: Python<'_>, ordinal: usize) -> PyResult<Arc<LmHead>> {
 #[pyfunction]
 fn driver_present() -> bool {
     lmhead::driver_present()
+}
+
+/// Whether the library runs on device `ordinal`: `(True, "")`, or `(False, reason)` when it has
+/// no driver or does not support the device (the library's own answer: it opens the device).
+#[pyfunction]
+fn device_supported(py: Python<'_>, ordinal: usize) -> PyResult<(bool, String)> {
+    if !lmhead::driver_present() {
+        return Ok((false, lmhead::Error::NoDriver.to_string()));
+    }
+    match head(py, ordinal) {
+        Ok(_) => Ok((true, String::new())),
+        Err(e) if e.is_instance_of::<errors::UnavailableError>(py) => Ok((false, e.value(py).to_string())),
+        Err(e) => Err(e),
+    }
 }
 
 /// Open device `ordinal` (idempotent) and describe it and its kernels: a dict with `name`,
@@ -139,37 +152,80 @@ fn finish<T>(py: Python<'_>, r: lmhead::Result<T>) -> PyResult<T> {
 /// The tensor-parallel arguments of a call: `(rank, size, all_reduce callback)` or none.
 type CommArg = Option<(usize, usize, Py<PyAny>)>;
 
-/// Forward arguments shared by the GPU entry points (addresses, sizes, options).
+/// Where a GPU call runs: `(device ordinal, raw CUstream)`.
+#[derive(FromPyObject)]
+struct Target(usize, u64);
+
+/// The operands of a call: `(h, w, labels, labels are i64, t, v, d)`, device (or, for the CPU
+/// backend, host) addresses.
+#[derive(FromPyObject, Clone, Copy)]
+struct Operands(u64, u64, u64, bool, usize, usize, usize);
+
+/// The forward's buffers: the operands and `(logprob, lse, entropy)`; entropy 0 = not asked for.
+#[derive(FromPyObject, Clone, Copy)]
+struct FwdBufs(Operands, (u64, u64, u64));
+
+/// The backward's buffers: the operands, the saved `(lse, entropy)` and upstream
+/// `(grad_logprob, grad_entropy)`, and the outputs `(dh, dh is f32, dw, dw is f32)`; 0 = absent.
+#[derive(FromPyObject, Clone, Copy)]
+struct BwdBufs(Operands, (u64, u64, u64, u64), (u64, bool, u64, bool));
+
+/// The scalars of a call: `(temperature, ignore_index, v_begin, v_total, label check)` with the
+/// label check 0 `Sync`, 1 `Deferred`, 2 `Off` (forward on the GPU only).
+#[derive(FromPyObject, Clone, Copy)]
+struct Scalars(f32, i64, usize, usize, u8);
+
+impl Scalars {
+    fn shard(&self) -> Shard {
+        Shard { v_begin: self.2, v_total: self.3 }
+    }
+
+    fn fwd_options(&self) -> PyResult<FwdOptions> {
+        let check_labels = match self.4 {
+            0 => LabelCheck::Sync,
+            1 => LabelCheck::Deferred,
+            2 => LabelCheck::Off,
+            m => return Err(pyo3::exceptions::PyValueError::new_err(format!("label check mode {m} (0, 1 or 2)"))),
+        };
+        Ok(FwdOptions { temperature: self.0, ignore_index: self.1, check_labels, ..FwdOptions::default() })
+    }
+
+    fn bwd_options(&self) -> BwdOptions {
+        BwdOptions { temperature: self.0, ignore_index: self.1, ..BwdOptions::default() }
+    }
+}
+
+/// Forward arguments of the GPU entry points.
 struct FwdArgs {
-    h: u64,
-    w: u64,
-    labels: u64,
-    label_i64: bool,
-    p: Problem,
-    logprob: u64,
-    lse: u64,
-    entropy: u64,
+    b: FwdBufs,
     opts: FwdOptions,
     shard: Shard,
 }
 
+impl Operands {
+    fn problem(&self) -> Problem {
+        Problem::new(self.4, self.5, self.6)
+    }
+}
+
 fn fwd_on<L: LabelType>(head: &LmHead, stream: &Arc<CudaStream>, a: &FwdArgs, comm: Option<&dyn Communicator>) -> lmhead::Result<()> {
-    let p = a.p;
+    let FwdBufs(Operands(h, w, labels, ..), (logprob, lse, entropy)) = a.b;
+    let p = a.b.0.problem();
     // SAFETY: the Python caller's contract (module docs): `h` holds t·d bf16, `w` v·d bf16,
     // `labels` t labels of type `L`, the outputs t f32 each, all device memory of this head's
     // device, alive and not raced until the work queued on `stream` is done.
     let (h, w, labels, mut lp, mut lse, mut ent) = unsafe {
         (
-            Borrowed::<bf16>::new(a.h, p.t * p.d, stream),
-            Borrowed::<bf16>::new(a.w, p.v * p.d, stream),
-            Borrowed::<L>::new(a.labels, p.t, stream),
-            Borrowed::<f32>::new(a.logprob, p.t, stream),
-            Borrowed::<f32>::new(a.lse, p.t, stream),
-            Borrowed::<f32>::new(a.entropy, if a.entropy == 0 { 0 } else { p.t }, stream),
+            Borrowed::<bf16>::new(h, p.t * p.d, stream),
+            Borrowed::<bf16>::new(w, p.v * p.d, stream),
+            Borrowed::<L>::new(labels, p.t, stream),
+            Borrowed::<f32>::new(logprob, p.t, stream),
+            Borrowed::<f32>::new(lse, p.t, stream),
+            Borrowed::<f32>::new(entropy, if entropy == 0 { 0 } else { p.t }, stream),
         )
     };
     let x = FwdInputs { h: &h, w: &w, labels: &labels, problem: p };
-    let out = FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: if a.entropy == 0 { None } else { Some(&mut ent) } };
+    let out = FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: if entropy == 0 { None } else { Some(&mut ent) } };
     match comm {
         None if a.shard == Shard::whole(p.v) => head.forward(stream, &x, &a.opts, out).map(|_| ()),
         None => head.forward_tp(&NoComm, stream, &x, a.shard, &a.opts, out).map(|_| ()),
@@ -178,7 +234,7 @@ fn fwd_on<L: LabelType>(head: &LmHead, stream: &Arc<CudaStream>, a: &FwdArgs, co
 }
 
 fn forward_dispatch(head: &LmHead, stream: &Arc<CudaStream>, a: &FwdArgs, comm: Option<&dyn Communicator>) -> lmhead::Result<()> {
-    if a.label_i64 {
+    if a.b.0 .3 {
         fwd_on::<i64>(head, stream, a, comm)
     } else {
         fwd_on::<i32>(head, stream, a, comm)
@@ -196,57 +252,36 @@ fn stream_of(head: &LmHead, raw: u64) -> Arc<CudaStream> {
     unsafe { lmhead::borrowed_stream(head.gpu().context(), raw) }
 }
 
-/// The fused forward on the GPU, on stream `stream` of device `ordinal`: writes `logprob`,
-/// `lse` and (when `entropy` is not 0) `entropy`, f32 `[t]` each. With `comm`, the
-/// vocab-parallel forward over this rank's shard `[v_begin, v_begin + v)` of `v_total`.
+/// The fused forward on the GPU, on stream `target.1` of device `target.0`: writes `logprob`,
+/// `lse` and (when `entropy` is not 0) `entropy`, f32 `[t]` each (see [`FwdBufs`],
+/// [`Scalars`]). With `comm`, the vocab-parallel forward over this rank's shard
+/// `[v_begin, v_begin + v)` of `v_total`.
 #[pyfunction]
-#[pyo3(signature = (ordinal, stream, h, w, labels, label_i64, t, v, d, logprob, lse, entropy, temperature, ignore_index, v_begin, v_total, comm))]
-fn gpu_forward(
-    py: Python<'_>,
-    ordinal: usize,
-    stream: u64,
-    h: u64,
-    w: u64,
-    labels: u64,
-    label_i64: bool,
-    t: usize,
-    v: usize,
-    d: usize,
-    logprob: u64,
-    lse: u64,
-    entropy: u64,
-    temperature: f32,
-    ignore_index: i64,
-    v_begin: usize,
-    v_total: usize,
-    comm: CommArg,
-) -> PyResult<()> {
-    let hd = head(py, ordinal)?;
-    let opts = FwdOptions { temperature, ignore_index, ..FwdOptions::default() };
-    let a = FwdArgs { h, w, labels, label_i64, p: Problem::new(t, v, d), logprob, lse, entropy, opts, shard: Shard { v_begin, v_total } };
+fn gpu_forward(py: Python<'_>, target: Target, bufs: FwdBufs, sc: Scalars, comm: CommArg) -> PyResult<()> {
+    let hd = head(py, target.0)?;
+    let a = FwdArgs { b: bufs, opts: sc.fwd_options()?, shard: sc.shard() };
     let comm = make_comm(comm);
     let r = py.detach(|| {
-        let s = stream_of(&hd, stream);
+        let s = stream_of(&hd, target.1);
         forward_dispatch(&hd, &s, &a, comm.as_ref().map(|c| c as &dyn Communicator))
     });
     finish(py, r)
 }
 
-/// Backward arguments shared by the GPU entry points.
+/// Read and clear what the deferred label checks on device `target.0` found, ordered after the
+/// work queued on stream `target.1` (see `LmHead::take_label_status`): returns when every label
+/// was good, raises `InputError` (`kind` "bad_label", `row` the lowest bad row, `label` None)
+/// when one was not.
+#[pyfunction]
+fn label_status(py: Python<'_>, target: Target) -> PyResult<()> {
+    let hd = head(py, target.0)?;
+    let r = py.detach(|| hd.take_label_status(&stream_of(&hd, target.1)));
+    finish(py, r)
+}
+
+/// Backward arguments of the GPU entry points.
 struct BwdArgs {
-    h: u64,
-    w: u64,
-    labels: u64,
-    label_i64: bool,
-    p: Problem,
-    lse: u64,
-    entropy: u64,
-    grad_logprob: u64,
-    grad_entropy: u64,
-    dh: u64,
-    dh_f32: bool,
-    dw: u64,
-    dw_f32: bool,
+    b: BwdBufs,
     opts: BwdOptions,
     shard: Shard,
     /// 0: single device; 1: tensor parallel, `dh` all-reduced; 2: tensor parallel, partial `dh`.
@@ -254,7 +289,9 @@ struct BwdArgs {
 }
 
 fn bwd_on<L: LabelType>(head: &LmHead, stream: &Arc<CudaStream>, a: &BwdArgs, comm: Option<&dyn Communicator>) -> lmhead::Result<()> {
-    let p = a.p;
+    let BwdBufs(ops, (lse, entropy, grad_logprob, grad_entropy), (dh, dh_f32, dw, dw_f32)) = a.b;
+    let Operands(h, w, labels, ..) = ops;
+    let p = ops.problem();
     let opt = |ptr: u64| if ptr == 0 { 0 } else { p.t };
     // SAFETY: the Python caller's contract (module docs): inputs as in the forward, `lse` and
     // the optional `[t]` f32 vectors (0 = absent), `dh` t·d and `dw` v·d elements of bf16 or f32
@@ -262,22 +299,23 @@ fn bwd_on<L: LabelType>(head: &LmHead, stream: &Arc<CudaStream>, a: &BwdArgs, co
     // until the work queued on `stream` is done.
     let (h, w, labels, lse, ent, gl, ge) = unsafe {
         (
-            Borrowed::<bf16>::new(a.h, p.t * p.d, stream),
-            Borrowed::<bf16>::new(a.w, p.v * p.d, stream),
-            Borrowed::<L>::new(a.labels, p.t, stream),
-            Borrowed::<f32>::new(a.lse, p.t, stream),
-            Borrowed::<f32>::new(a.entropy, opt(a.entropy), stream),
-            Borrowed::<f32>::new(a.grad_logprob, opt(a.grad_logprob), stream),
-            Borrowed::<f32>::new(a.grad_entropy, opt(a.grad_entropy), stream),
+            Borrowed::<bf16>::new(h, p.t * p.d, stream),
+            Borrowed::<bf16>::new(w, p.v * p.d, stream),
+            Borrowed::<L>::new(labels, p.t, stream),
+            Borrowed::<f32>::new(lse, p.t, stream),
+            Borrowed::<f32>::new(entropy, opt(entropy), stream),
+            Borrowed::<f32>::new(grad_logprob, opt(grad_logprob), stream),
+            Borrowed::<f32>::new(grad_entropy, opt(grad_entropy), stream),
         )
     };
+    let dw_len = if dw == 0 { 0 } else { p.v * p.d };
     // SAFETY: as above (gradient outputs).
     let (mut dh16, mut dh32, mut dw16, mut dw32) = unsafe {
         (
-            Borrowed::<bf16>::new(a.dh, p.t * p.d, stream),
-            Borrowed::<f32>::new(a.dh, p.t * p.d, stream),
-            Borrowed::<bf16>::new(a.dw, if a.dw == 0 { 0 } else { p.v * p.d }, stream),
-            Borrowed::<f32>::new(a.dw, if a.dw == 0 { 0 } else { p.v * p.d }, stream),
+            Borrowed::<bf16>::new(dh, p.t * p.d, stream),
+            Borrowed::<f32>::new(dh, p.t * p.d, stream),
+            Borrowed::<bf16>::new(dw, dw_len, stream),
+            Borrowed::<f32>::new(dw, dw_len, stream),
         )
     };
     let x = BwdInputs {
@@ -285,13 +323,13 @@ fn bwd_on<L: LabelType>(head: &LmHead, stream: &Arc<CudaStream>, a: &BwdArgs, co
         w: &w,
         labels: &labels,
         lse: &lse,
-        entropy: (a.entropy != 0).then_some(&ent as &dyn lmhead::cudarc::driver::DevicePtr<f32>),
-        grad_logprob: (a.grad_logprob != 0).then_some(&gl as &dyn lmhead::cudarc::driver::DevicePtr<f32>),
-        grad_entropy: (a.grad_entropy != 0).then_some(&ge as &dyn lmhead::cudarc::driver::DevicePtr<f32>),
+        entropy: (entropy != 0).then_some(&ent as &dyn lmhead::cudarc::driver::DevicePtr<f32>),
+        grad_logprob: (grad_logprob != 0).then_some(&gl as &dyn lmhead::cudarc::driver::DevicePtr<f32>),
+        grad_entropy: (grad_entropy != 0).then_some(&ge as &dyn lmhead::cudarc::driver::DevicePtr<f32>),
         problem: p,
     };
-    let dh = if a.dh_f32 { GradOut::F32(&mut dh32) } else { GradOut::Bf16(&mut dh16) };
-    let dw = match (a.dw, a.dw_f32) {
+    let dh = if dh_f32 { GradOut::F32(&mut dh32) } else { GradOut::Bf16(&mut dh16) };
+    let dw = match (dw, dw_f32) {
         (0, _) => None,
         (_, true) => Some(GradOut::F32(&mut dw32)),
         (_, false) => Some(GradOut::Bf16(&mut dw16)),
@@ -307,7 +345,7 @@ fn bwd_on<L: LabelType>(head: &LmHead, stream: &Arc<CudaStream>, a: &BwdArgs, co
 }
 
 fn backward_dispatch(head: &LmHead, stream: &Arc<CudaStream>, a: &BwdArgs, comm: Option<&dyn Communicator>) -> lmhead::Result<()> {
-    if a.label_i64 {
+    if a.b.0 .3 {
         bwd_on::<i64>(head, stream, a, comm)
     } else {
         bwd_on::<i32>(head, stream, a, comm)
@@ -315,61 +353,17 @@ fn backward_dispatch(head: &LmHead, stream: &Arc<CudaStream>, a: &BwdArgs, comm:
 }
 
 /// The fused backward on the GPU: `dh` (`[t, d]`, bf16 or f32) and, when `dw` is not 0, `dW`
-/// (`[v, d]`). `reduce`: 0 single device, 1 tensor parallel with `dh` all-reduced over `comm`,
-/// 2 tensor parallel leaving this rank's partial `dh` (Megatron's convention). A `v_total`
-/// above the ranks' vocabulary makes labels in `[Σ v, v_total)` match no row (their d-logits
-/// are `−p`).
+/// (`[v, d]`) (see [`BwdBufs`], [`Scalars`]). `reduce`: 0 single device, 1 tensor parallel with
+/// `dh` all-reduced over `comm`, 2 tensor parallel leaving this rank's partial `dh` (Megatron's
+/// convention). A `v_total` above the ranks' vocabulary makes labels in `[Σ v, v_total)` match
+/// no row (their d-logits are `−p`).
 #[pyfunction]
-#[pyo3(signature = (ordinal, stream, h, w, labels, label_i64, t, v, d, lse, entropy, grad_logprob, grad_entropy, dh, dh_f32, dw, dw_f32, temperature, ignore_index, v_begin, v_total, reduce, comm))]
-fn gpu_backward(
-    py: Python<'_>,
-    ordinal: usize,
-    stream: u64,
-    h: u64,
-    w: u64,
-    labels: u64,
-    label_i64: bool,
-    t: usize,
-    v: usize,
-    d: usize,
-    lse: u64,
-    entropy: u64,
-    grad_logprob: u64,
-    grad_entropy: u64,
-    dh: u64,
-    dh_f32: bool,
-    dw: u64,
-    dw_f32: bool,
-    temperature: f32,
-    ignore_index: i64,
-    v_begin: usize,
-    v_total: usize,
-    reduce: u8,
-    comm: CommArg,
-) -> PyResult<()> {
-    let hd = head(py, ordinal)?;
-    let opts = BwdOptions { temperature, ignore_index, ..BwdOptions::default() };
-    let a = BwdArgs {
-        h,
-        w,
-        labels,
-        label_i64,
-        p: Problem::new(t, v, d),
-        lse,
-        entropy,
-        grad_logprob,
-        grad_entropy,
-        dh,
-        dh_f32,
-        dw,
-        dw_f32,
-        opts,
-        shard: Shard { v_begin, v_total },
-        reduce,
-    };
+fn gpu_backward(py: Python<'_>, target: Target, bufs: BwdBufs, sc: Scalars, reduce: u8, comm: CommArg) -> PyResult<()> {
+    let hd = head(py, target.0)?;
+    let a = BwdArgs { b: bufs, opts: sc.bwd_options(), shard: sc.shard(), reduce };
     let comm = make_comm(comm);
     let r = py.detach(|| {
-        let s = stream_of(&hd, stream);
+        let s = stream_of(&hd, target.1);
         backward_dispatch(&hd, &s, &a, comm.as_ref().map(|c| c as &dyn Communicator))
     });
     finish(py, r)
@@ -392,78 +386,20 @@ fn time_reps(hd: &LmHead, stream: u64, reps: usize, call: impl Fn(&Arc<CudaStrea
 /// Wall-clock seconds of each of `reps` raw library forwards on the given buffers (each
 /// followed by a stream synchronisation): the benchmark's baseline for the binding's overhead.
 #[pyfunction]
-#[pyo3(signature = (ordinal, stream, h, w, labels, label_i64, t, v, d, logprob, lse, entropy, temperature, ignore_index, reps))]
-fn time_forward(
-    py: Python<'_>,
-    ordinal: usize,
-    stream: u64,
-    h: u64,
-    w: u64,
-    labels: u64,
-    label_i64: bool,
-    t: usize,
-    v: usize,
-    d: usize,
-    logprob: u64,
-    lse: u64,
-    entropy: u64,
-    temperature: f32,
-    ignore_index: i64,
-    reps: usize,
-) -> PyResult<Vec<f64>> {
-    let hd = head(py, ordinal)?;
-    let opts = FwdOptions { temperature, ignore_index, ..FwdOptions::default() };
-    let a = FwdArgs { h, w, labels, label_i64, p: Problem::new(t, v, d), logprob, lse, entropy, opts, shard: Shard::whole(v) };
-    let r = py.detach(|| time_reps(&hd, stream, reps, |s| forward_dispatch(&hd, s, &a, None)));
+fn time_forward(py: Python<'_>, target: Target, bufs: FwdBufs, sc: Scalars, reps: usize) -> PyResult<Vec<f64>> {
+    let hd = head(py, target.0)?;
+    let a = FwdArgs { b: bufs, opts: sc.fwd_options()?, shard: Shard::whole(bufs.0 .5) };
+    let r = py.detach(|| time_reps(&hd, target.1, reps, |s| forward_dispatch(&hd, s, &a, None)));
     finish(py, r)
 }
 
-/// Wall-clock seconds of each of `reps` raw library backwards (bf16 `dh`, `dW` when `dw` is
-/// not 0), each followed by a stream synchronisation.
+/// Wall-clock seconds of each of `reps` raw library backwards, each followed by a stream
+/// synchronisation.
 #[pyfunction]
-#[pyo3(signature = (ordinal, stream, h, w, labels, label_i64, t, v, d, lse, entropy, grad_logprob, grad_entropy, dh, dw, temperature, ignore_index, reps))]
-fn time_backward(
-    py: Python<'_>,
-    ordinal: usize,
-    stream: u64,
-    h: u64,
-    w: u64,
-    labels: u64,
-    label_i64: bool,
-    t: usize,
-    v: usize,
-    d: usize,
-    lse: u64,
-    entropy: u64,
-    grad_logprob: u64,
-    grad_entropy: u64,
-    dh: u64,
-    dw: u64,
-    temperature: f32,
-    ignore_index: i64,
-    reps: usize,
-) -> PyResult<Vec<f64>> {
-    let hd = head(py, ordinal)?;
-    let opts = BwdOptions { temperature, ignore_index, ..BwdOptions::default() };
-    let a = BwdArgs {
-        h,
-        w,
-        labels,
-        label_i64,
-        p: Problem::new(t, v, d),
-        lse,
-        entropy,
-        grad_logprob,
-        grad_entropy,
-        dh,
-        dh_f32: false,
-        dw,
-        dw_f32: false,
-        opts,
-        shard: Shard::whole(v),
-        reduce: 0,
-    };
-    let r = py.detach(|| time_reps(&hd, stream, reps, |s| backward_dispatch(&hd, s, &a, None)));
+fn time_backward(py: Python<'_>, target: Target, bufs: BwdBufs, sc: Scalars, reps: usize) -> PyResult<Vec<f64>> {
+    let hd = head(py, target.0)?;
+    let a = BwdArgs { b: bufs, opts: sc.bwd_options(), shard: Shard::whole(bufs.0 .5), reduce: 0 };
+    let r = py.detach(|| time_reps(&hd, target.1, reps, |s| backward_dispatch(&hd, s, &a, None)));
     finish(py, r)
 }
 
@@ -494,31 +430,17 @@ unsafe fn write_host(dst: u64, src: &[f32]) {
     unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut f32, src.len()) }
 }
 
-/// The forward on the CPU backend (f64 reference): host addresses of `h`, `W` (bf16 bits),
-/// labels (i64) and the f32 outputs. With `comm` (`(rank, size, all_reduce(address, len, op))`
-/// over host f64 buffers), the vocab-parallel forward with the GPU's protocol.
+/// The forward on the CPU backend (f64 reference): host addresses in `bufs` (bf16 bits for `h`
+/// and `W`, i64 labels whatever the flag says, f32 outputs). The label check is always
+/// synchronous. With `comm` (`(rank, size, all_reduce(address, len, op))` over host f64
+/// buffers), the vocab-parallel forward with the GPU's protocol.
 #[pyfunction]
-#[pyo3(signature = (h, w, labels, t, v, d, logprob, lse, entropy, temperature, ignore_index, v_begin, v_total, comm))]
-fn cpu_forward(
-    py: Python<'_>,
-    h: u64,
-    w: u64,
-    labels: u64,
-    t: usize,
-    v: usize,
-    d: usize,
-    logprob: u64,
-    lse: u64,
-    entropy: u64,
-    temperature: f32,
-    ignore_index: i64,
-    v_begin: usize,
-    v_total: usize,
-    comm: CommArg,
-) -> PyResult<()> {
-    let p = Problem::new(t, v, d);
-    let opts = FwdOptions { temperature, ignore_index, ..FwdOptions::default() };
-    let shard = Shard { v_begin, v_total };
+fn cpu_forward(py: Python<'_>, bufs: FwdBufs, sc: Scalars, comm: CommArg) -> PyResult<()> {
+    let FwdBufs(ops, (logprob, lse, entropy)) = bufs;
+    let Operands(h, w, labels, ..) = ops;
+    let p = ops.problem();
+    let opts = FwdOptions { temperature: sc.0, ignore_index: sc.1, ..FwdOptions::default() };
+    let shard = sc.shard();
     let hc = comm.map(|(rank, size, cb)| HostPyComm::new(rank, size, cb));
     let r = py.detach(|| {
         // SAFETY: the Python caller's contract (module docs): host tensors of t·d and v·d bf16,
@@ -545,35 +467,19 @@ fn cpu_forward(
 }
 
 /// The backward on the CPU backend: writes f32 `dh` (`[t, d]`) and, when `dw` is not 0, f32
-/// `dW` (`[v, d]`). `reduce_dh` (tensor parallel only): all-reduce `dh` over `comm`, else leave
-/// this rank's partial sum. A `v_total` above the ranks' vocabulary makes labels in
-/// `[Σ v, v_total)` match no row.
+/// `dW` (`[v, d]`) (the flags of `bufs` must say f32). `reduce_dh` (tensor parallel only):
+/// all-reduce `dh` over `comm`, else leave this rank's partial sum. A `v_total` above the
+/// ranks' vocabulary makes labels in `[Σ v, v_total)` match no row.
 #[pyfunction]
-#[pyo3(signature = (h, w, labels, t, v, d, lse, entropy, grad_logprob, grad_entropy, dh, dw, temperature, ignore_index, v_begin, v_total, reduce_dh, comm))]
-fn cpu_backward(
-    py: Python<'_>,
-    h: u64,
-    w: u64,
-    labels: u64,
-    t: usize,
-    v: usize,
-    d: usize,
-    lse: u64,
-    entropy: u64,
-    grad_logprob: u64,
-    grad_entropy: u64,
-    dh: u64,
-    dw: u64,
-    temperature: f32,
-    ignore_index: i64,
-    v_begin: usize,
-    v_total: usize,
-    reduce_dh: bool,
-    comm: CommArg,
-) -> PyResult<()> {
-    let p = Problem::new(t, v, d);
-    let opts = BwdOptions { temperature, ignore_index, ..BwdOptions::default() };
-    let shard = Shard { v_begin, v_total };
+fn cpu_backward(py: Python<'_>, bufs: BwdBufs, sc: Scalars, reduce_dh: bool, comm: CommArg) -> PyResult<()> {
+    let BwdBufs(ops, (lse, entropy, grad_logprob, grad_entropy), (dh, dh_f32, dw, dw_f32)) = bufs;
+    let Operands(h, w, labels, ..) = ops;
+    if !dh_f32 || (dw != 0 && !dw_f32) {
+        return Err(pyo3::exceptions::PyValueError::new_err("the CPU backend writes f32 gradients"));
+    }
+    let p = ops.problem();
+    let opts = sc.bwd_options();
+    let shard = sc.shard();
     let hc = comm.map(|(rank, size, cb)| HostPyComm::new(rank, size, cb));
     let r = py.detach(|| {
         let opt = |ptr: u64| if ptr == 0 { 0 } else { p.t };
@@ -618,6 +524,7 @@ fn cpu_backward(
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_function(wrap_pyfunction!(driver_present, m)?)?;
+    m.add_function(wrap_pyfunction!(device_supported, m)?)?;
     m.add_function(wrap_pyfunction!(device_info, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_report, m)?)?;
     m.add_function(wrap_pyfunction!(set_scratch, m)?)?;
@@ -626,6 +533,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(warm_up, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_forward, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(label_status, m)?)?;
     m.add_function(wrap_pyfunction!(time_forward, m)?)?;
     m.add_function(wrap_pyfunction!(time_backward, m)?)?;
     m.add_function(wrap_pyfunction!(noop, m)?)?;

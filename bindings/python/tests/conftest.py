@@ -13,4 +13,6 @@ def pytest_report_header(config):
         lines.append(f"CUDA devices: {names}; lmhead supports the current one: {L.gpu_supported()}")
     else:
         lines.append("no CUDA device: GPU tests skip")
+    if not L.gpu_supported():
+        lines.append("tests/upstream: SkyRL's and verl's own files need a CUDA GPU the library supports: not run")
     return lines

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lmhead_torch as L
-from lmhead_torch import _core, _native
+from lmhead_torch import _core, _impl, _native, _tp
 from refs import IGNORE, close, reference, rel_l2
 
 BF16_RTOL = 2.0**-8 + 1e-6
@@ -118,9 +118,9 @@ def test_frozen_weight_skips_dw(monkeypatch):
     seen = {}
     real = _native.cpu_backward
 
-    def spy(*args):
-        seen["dw"] = args[11]
-        return real(*args)
+    def spy(bufs, *rest):
+        seen["dw"] = bufs[2][2]  # BwdBufs: (operands, saved, (dh, dh_f32, dw, dw_f32))
+        return real(bufs, *rest)
 
     monkeypatch.setattr(_native, "cpu_backward", spy)
     lp, ent = L.fused_linear_logprob(h, w, labels)
@@ -150,7 +150,7 @@ def test_only_weight_needs_grad():
     [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.float16, torch.float16)],
 )
 def test_fp32_operands_are_split_accurately(h_dtype, w_dtype):
-    """fp32/fp16 operands through the bf16 hi+lo split. Measured here (CPU, exact arithmetic on
+    """fp32/fp16 operands through the bf16 hi+lo split (``precision="split"``). Measured here (CPU, exact arithmetic on
     the parts): log-prob within 3e-5 of float64 (the split's logit error is ~2^-18·Σ|h_i·w_i|,
     Σ ≈ 10 at these scales), fp32 gradients at ~6e-6 relative L2. Bounds: 1e-4 absolute on
     log-prob/entropy, 5e-5 relative L2 on fp32 gradients (against max(‖ref‖, ‖rss‖), rss = each
@@ -161,7 +161,7 @@ def test_fp32_operands_are_split_accurately(h_dtype, w_dtype):
     w.requires_grad_(True)
     g = torch.Generator().manual_seed(8)
     g_lp, g_ent = torch.randn(37, generator=g), torch.randn(37, generator=g)
-    lp, ent = L.fused_linear_logprob(h, w, labels, 0.9)
+    lp, ent = L.fused_linear_logprob(h, w, labels, 0.9, precision="split")
     torch.autograd.backward([lp, ent], [g_lp, g_ent])
     r = reference(h, w, labels, 0.9, g_lp=g_lp, g_ent=g_ent, rss=True)
     close(lp, r.logprob, 0.0, 1e-4, "logprob")
@@ -176,15 +176,42 @@ def test_fp32_operands_are_split_accurately(h_dtype, w_dtype):
     close(w.grad, r.dw, rt(w_dtype), 1e-4, "dW")
 
 
-def test_fp32_without_split_would_be_wrong():
-    """The fp32 path must not just round to bf16: this input's bf16 rounding moves the log-probs
-    by far more than the tolerance the fp32 test holds them to."""
+def test_fp32_split_is_not_a_rounding():
+    """``precision="split"`` must not just round to bf16: this input's bf16 rounding moves the
+    log-probs by far more than the tolerance the split is held to."""
     h, w, labels = _inputs(37, 300, 64, seed=7, dtype=torch.float32, scale=3.0)
-    lp, _ = L.fused_linear_logprob(h, w, labels)
+    lp, _ = L.fused_linear_logprob(h, w, labels, precision="split")
     r = reference(h, w, labels)
     r16 = reference(h.bfloat16(), w.bfloat16(), labels)
     assert float((r16.logprob - r.logprob).abs().max()) > 1e-3
     close(lp, r.logprob, 0.0, 1e-4, "logprob")
+
+
+@pytest.mark.parametrize(
+    "h_dtype,w_dtype",
+    [(torch.bfloat16, torch.float32), (torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.float16, torch.float16)],
+)
+def test_fp32_default_rounds_once_to_bf16(h_dtype, w_dtype):
+    """The default contract (``precision="bf16"``): fp32/fp16 operands give what their bf16
+    roundings give — the same log-probs and entropies bitwise, the same gradients up to the
+    gradient's own dtype (f32 from the backend, not rounded through bf16) — and the gradients
+    come back in the operands' dtypes."""
+    h, w, labels = _inputs(37, 300, 64, seed=11, dtype=torch.float32)
+    h, w = h.to(h_dtype), w.to(w_dtype)
+    g = torch.Generator().manual_seed(12)
+    g_lp, g_ent = torch.randn(37, generator=g), torch.randn(37, generator=g)
+    hx, wx = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    lp, ent = L.fused_linear_logprob(hx, wx, labels, 0.9)
+    torch.autograd.backward([lp, ent], [g_lp, g_ent])
+    hb, wb = h.bfloat16().requires_grad_(True), w.bfloat16().requires_grad_(True)
+    lp_b, ent_b = L.fused_linear_logprob(hb, wb, labels, 0.9)
+    assert torch.equal(lp, lp_b) and torch.equal(ent, ent_b)
+    assert hx.grad.dtype == h_dtype and wx.grad.dtype == w_dtype
+    r = reference(hb.detach(), wb.detach(), labels, 0.9, g_lp=g_lp, g_ent=g_ent)
+    # (f32 gradients: the float64 backend's, rounded once to f32; bf16/fp16 ones once more.)
+    rt = lambda dt: {torch.bfloat16: BF16_RTOL, torch.float16: 2.0**-10}.get(dt, 1e-5)  # noqa: E731
+    close(hx.grad, r.dh, rt(h_dtype), 1e-6, "dh")
+    close(wx.grad, r.dw, rt(w_dtype), 1e-6, "dW")
 
 
 @pytest.mark.parametrize("chunk", [None, 7])
@@ -205,15 +232,15 @@ def test_fp32_chunked_backward_matches_float64(chunk, temperature, grads):
     g_lp = torch.randn(t, generator=g) if grads in ("both", "lp") else None
     g_ent = torch.randn(t, generator=g) if grads in ("both", "ent") else None
     r = reference(h, w, labels, temperature=temperature, g_lp=g_lp, g_ent=g_ent)
-    cfg = _core._Cfg(temperature=temperature, ignore_index=IGNORE, entropy=True, tp=None, reduce_dh=True)
+    cfg = _impl._Cfg(temperature=temperature, ignore_index=IGNORE, entropy=True, tp=None, reduce_dh=True)
     lse, ent = r.lse.float(), r.entropy.float()
-    dh, dw = _core._backward_chunked(h, w, labels, lse, ent, g_lp, g_ent, True, cfg, chunk=chunk)
+    dh, dw = _impl._backward_chunked(h, w, labels, lse, ent, g_lp, g_ent, True, cfg, chunk=chunk)
     assert dh.dtype == torch.float32 and dw.dtype == torch.float32
     close(dh, r.dh, 1e-4, 1e-4, "dh")
     close(dw, r.dw, 1e-4, 1e-4, "dW")
     assert float(dh[3].abs().max()) == 0.0 and float(dh[20].abs().max()) == 0.0
     # Without dW: none computed.
-    dh2, dw2 = _core._backward_chunked(h, w, labels, lse, ent, g_lp, g_ent, False, cfg, chunk=chunk)
+    dh2, dw2 = _impl._backward_chunked(h, w, labels, lse, ent, g_lp, g_ent, False, cfg, chunk=chunk)
     assert dw2 is None and torch.equal(dh2, dh)
 
 
@@ -235,8 +262,8 @@ def test_fp32_chunked_backward_oov_targets_keep_minus_p():
     ok = (labels >= 0) & (labels < v)
     onehot[ok.nonzero().squeeze(1), labels[ok]] = 1.0
     dl = g_lp.double()[:, None] * (onehot - p)
-    cfg = _core._Cfg(temperature=1.0, ignore_index=-1, entropy=False, tp=None, reduce_dh=False, oov_zero=True)
-    dh, dw = _core._backward_chunked(h, w, labels, lse.float(), None, g_lp, None, True, cfg, chunk=16)
+    cfg = _impl._Cfg(temperature=1.0, ignore_index=-1, entropy=False, tp=None, reduce_dh=False, oov_zero=True)
+    dh, dw = _impl._backward_chunked(h, w, labels, lse.float(), None, g_lp, None, True, cfg, chunk=16)
     close(dh, dl @ w.double(), 1e-4, 1e-4, "dh")
     close(dw, dl.T @ h.double(), 1e-4, 1e-4, "dW")
 
@@ -245,7 +272,7 @@ def test_outputs_may_be_modified_in_place():
     """The backward reads copies, not the returned tensors."""
     h, w, labels = _inputs(16, 40, 16, seed=30, dtype=torch.float32)
     h.requires_grad_(True)
-    lp, ent = L.fused_linear_logprob(h, w, labels)
+    lp, ent = L.fused_linear_logprob(h, w, labels, precision="split")
     g = torch.Generator().manual_seed(31)
     g_lp, g_ent = torch.randn(16, generator=g), torch.randn(16, generator=g)
     r = reference(h, w, labels, g_lp=g_lp, g_ent=g_ent)
@@ -321,27 +348,20 @@ def test_library_validation_is_typed():
     """Errors raised by the Rust library itself (not the Python checks) are ValueErrors too."""
     h, w, labels = _ok()
     lp = torch.empty(8)
+    hb, wb = h.view(torch.int16), w.view(torch.int16)
+
+    def cpu_forward(d, sc):
+        ops = (hb.data_ptr(), wb.data_ptr(), labels.data_ptr(), True, 8, 20, d)
+        _core._call(_native.cpu_forward, (ops, (lp.data_ptr(), lp.data_ptr(), 0)), sc, None)
+
     with pytest.raises(ValueError) as ei:
-        # A shard that does not fit the vocabulary: Error::Invalid from the library.
-        _core._call(
-            _native.cpu_forward,
-            h.view(torch.int16).data_ptr(), w.view(torch.int16).data_ptr(), labels.data_ptr(),
-            8, 20, 16, lp.data_ptr(), lp.data_ptr(), 0, 1.0, -100, 5, 20, None,
-        )
+        cpu_forward(16, (1.0, -100, 5, 20, 0))  # a shard that does not fit the vocabulary
     assert isinstance(ei.value, L.InputError) and ei.value.kind == "invalid"
     with pytest.raises(ValueError) as ei:
-        _core._call(
-            _native.cpu_forward,
-            h.view(torch.int16).data_ptr(), w.view(torch.int16).data_ptr(), labels.data_ptr(),
-            8, 20, 12, lp.data_ptr(), lp.data_ptr(), 0, 1.0, -100, 0, 20, None,
-        )
+        cpu_forward(12, (1.0, -100, 0, 20, 0))
     assert ei.value.kind == "shape"
     with pytest.raises(ValueError) as ei:
-        _core._call(
-            _native.cpu_forward,
-            h.view(torch.int16).data_ptr(), w.view(torch.int16).data_ptr(), labels.data_ptr(),
-            8, 20, 16, lp.data_ptr(), lp.data_ptr(), 0, 0.0, -100, 0, 20, None,
-        )
+        cpu_forward(16, (0.0, -100, 0, 20, 0))
     assert ei.value.kind == "temperature"
 
 
@@ -361,7 +381,7 @@ def test_no_gpu_raises_unavailable_error():
     if L.gpu_supported():
         pytest.skip("a supported GPU is present")
     if _native.driver_present():
-        # A driver without a usable sm_90 device: opening device 0 must fail with the
+        # A driver without a device the library supports: opening device 0 must fail with the
         # fall-back-able RuntimeError (or succeed if it is, in fact, usable).
         pass
     with pytest.raises(RuntimeError) as ei:
@@ -369,9 +389,7 @@ def test_no_gpu_raises_unavailable_error():
     assert isinstance(ei.value, L.UnavailableError) or ei.value.kind in ("no_driver", "unsupported_device", "driver")
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or L.gpu_supported(), reason="needs a CUDA GPU that is not compute capability 9.0"
-)
+@pytest.mark.skipif(not torch.cuda.is_available() or L.gpu_supported(), reason="needs a CUDA GPU the library does not support")
 def test_other_gpu_raises_unavailable_error():
     h = torch.randn(8, 16, device="cuda").bfloat16()
     w = torch.randn(16, 16, device="cuda").bfloat16()
@@ -382,42 +400,40 @@ def test_other_gpu_raises_unavailable_error():
 @pytest.mark.skipif(_native.driver_present(), reason="a CUDA driver is present: the GPU tests call these for real")
 def test_gpu_call_sites_match_the_native_signatures():
     """Without a GPU the GPU entry points still parse their arguments before failing to open the
-    device: the argument lists the package builds (and the bench's) must reach that point, i.e.
+    device: the argument tuples the package builds (and the bench's) must reach that point, i.e.
     raise UnavailableError, not TypeError."""
     t, v, d = 4, 8, 16
     hb, wb = torch.zeros(t, d, dtype=torch.bfloat16), torch.zeros(v, d, dtype=torch.bfloat16)
     labels = torch.zeros(t, dtype=torch.long)
     f = torch.zeros(t)
     dh, dw = torch.zeros(t, d), torch.zeros(v, d)
-    tp = _core._TP(None, 0, 2, 0, 16)
+    tp = _tp._TP(None, 0, 2, 0, 16)
     comm = tp.cuda_comm(torch.device("cuda", 0))
+    target = (0, 0)
     for c in (None, comm):
-        args = _core._gpu_forward_args(0, 0, hb, wb, labels, d, f, f, f, (1.0, -100, 0, v), c)
-        with pytest.raises(L.UnavailableError):
-            _native.gpu_forward(*args)
-        args = _core._gpu_forward_args(0, 0, hb, wb, labels.int(), d, f, f, None, (1.0, -100, 0, v), c)
-        with pytest.raises(L.UnavailableError):
-            _native.gpu_forward(*args)
+        for lab, ent in ((labels, f), (labels.int(), None)):
+            with pytest.raises(L.UnavailableError):
+                _native.gpu_forward(target, _impl._fwd_bufs(hb, wb, lab, d, f, f, ent), (1.0, -100, 0, v, 1), c)
         for reduce in (0, 1, 2):
-            args = _core._gpu_backward_args(0, 0, hb, wb, labels, d, f, f, f, f, dh, dw, True, (1.0, -100, 0, v + 1), reduce, c)
-            with pytest.raises(L.UnavailableError):
-                _native.gpu_backward(*args)
-            args = _core._gpu_backward_args(0, 0, hb, wb, labels, d, f, None, f, None, dh, None, False, (1.0, -100, 0, v), reduce, c)
-            with pytest.raises(L.UnavailableError):
-                _native.gpu_backward(*args)
+            for args in (_impl._bwd_bufs(hb, wb, labels, f, f, f, f, dh, dw), _impl._bwd_bufs(hb, wb, labels, f, None, f, None, dh.bfloat16(), None)):
+                with pytest.raises(L.UnavailableError):
+                    _native.gpu_backward(target, args, (1.0, -100, 0, v + 1, 0), reduce, c)
     # The bench's raw-call timers and the other device entries.
-    fargs = (0, 0, hb.data_ptr(), wb.data_ptr(), labels.data_ptr(), True, t, v, d, f.data_ptr(), f.data_ptr(), f.data_ptr(), 1.0, -100)
-    bargs = (0, 0, hb.data_ptr(), wb.data_ptr(), labels.data_ptr(), True, t, v, d, f.data_ptr(), f.data_ptr(), f.data_ptr(), f.data_ptr(), dh.data_ptr(), dw.data_ptr(), 1.0, -100)
+    sc = (1.0, -100, 0, v, 0)
+    fargs = (target, _impl._fwd_bufs(hb, wb, labels, d, f, f, f), sc)
+    bargs = (target, _impl._bwd_bufs(hb, wb, labels, f, f, f, f, dh, dw), sc)
     for fn, args in ((_native.time_forward, fargs + (3,)), (_native.time_backward, bargs + (3,)), (_native.warm_up, (0, [1, 2], v, d, True, True)),
-                     (_native.set_scratch, (0, None)), (_native.workspace_bytes, (0,)), (_native.kernel_report, (0,))):  # fmt: skip
+                     (_native.set_scratch, (0, None)), (_native.workspace_bytes, (0,)), (_native.kernel_report, (0,)),
+                     (_native.label_status, (target,))):  # fmt: skip
         with pytest.raises(L.UnavailableError):
             fn(*args)
+    assert _native.device_supported(0)[0] is False
     _native.noop(*fargs)
     _native.release_workspace()
 
 
 def test_bench_calls_bind_to_the_internal_signatures():
-    """The benchmark's GPU-only overhead path calls ``_core._backward`` and ``_core._forward``
+    """The benchmark's GPU-only overhead path calls ``_impl._backward`` and ``_impl._forward``
     directly; a signature change must fail here, not first on a GPU machine."""
     import ast
     import inspect
@@ -428,11 +444,11 @@ def test_bench_calls_bind_to_the_internal_signatures():
     calls = [
         n
         for n in ast.walk(tree)
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) and n.func.value.id == "_core"
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Name) and n.func.value.id in ("_core", "_impl")
     ]
     checked = 0
     for c in calls:
-        fn = getattr(_core, c.func.attr)
+        fn = getattr({"_core": _core, "_impl": _impl}[c.func.value.id], c.func.attr)
         if not inspect.isfunction(fn):
             continue
         if any(isinstance(a, ast.Starred) for a in c.args):
@@ -440,4 +456,4 @@ def test_bench_calls_bind_to_the_internal_signatures():
         sig = inspect.signature(fn)
         sig.bind(*range(len(c.args)), **{k.arg: None for k in c.keywords if k.arg})
         checked += 1
-    assert checked >= 2, "expected the bench to call _core._forward and _core._backward"
+    assert checked >= 4, "expected the bench to call _impl._forward, _impl._backward and the buffer builders"

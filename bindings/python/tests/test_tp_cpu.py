@@ -14,8 +14,8 @@ def test_tp_world2():
             ("core_tp", dict(sizes=None, temperature=0.8)),
             ("core_tp", dict(sizes=[37, 263], temperature=0.8)),
             ("core_tp", dict(sizes=[120, 180], give_vocab=True, ignore=False, temperature=1.3)),
-            ("core_tp", dict(sizes=[100, 200], dtype="fp32", reduce=True)),
-            ("core_tp", dict(sizes=[100, 200], dtype="fp32", reduce=False)),
+            ("core_tp", dict(sizes=[100, 200], dtype="fp32", reduce=True, precision="split")),
+            ("core_tp", dict(sizes=[100, 200], dtype="fp32", reduce=False, precision="split")),
             ("label_error_tp", {}),
         ],
     )

@@ -76,7 +76,7 @@ def _shards(v_total, world, sizes=None):
 # ---------------------------------------------------------------------------------------------
 
 
-def core_tp(rank, world, device, t=37, v=300, d=72, sizes=None, dtype="bf16", temperature=1.0, reduce=True, ignore=True, give_vocab=False, gpu_tol=False):
+def core_tp(rank, world, device, t=37, v=300, d=72, sizes=None, dtype="bf16", temperature=1.0, reduce=True, ignore=True, give_vocab=False, gpu_tol=False, precision=None):
     import lmhead_torch as L
     from refs import BF16_REL_L2, IGNORE, check_forward_gpu, close, dlogits, reference, rel_l2
 
@@ -93,7 +93,7 @@ def core_tp(rank, world, device, t=37, v=300, d=72, sizes=None, dtype="bf16", te
     w = w_full[b : b + n].clone()
     hd = h.to(device).requires_grad_(True)
     wd = w.to(device).requires_grad_(True)
-    kw = dict(tp_group=dist.group.WORLD, vocab_start_index=b, reduce_hidden_grad=reduce)
+    kw = dict(tp_group=dist.group.WORLD, vocab_start_index=b, reduce_hidden_grad=reduce, precision=precision)
     if give_vocab:
         kw["vocab_size"] = v
     lp, ent = L.fused_linear_logprob(hd, wd, labels.to(device), temperature, **kw)
@@ -201,7 +201,9 @@ def skyrl_triton_tp(rank, world, device, chunk_size=8, with_oov=False, dtype_str
     """Port of ``_worker`` in SkyRL's ``test_fused_linear_logprob_triton.py``: B, S, H, V = 3, 24,
     128, 256, identical inputs on every rank (seed 0), shard V/world, targets rolled, the op
     against the stock materialised-logits path with ``fp32: atol=rtol=1e-4``, ``bf16: 2e-2``;
-    plus the float64 contract (``skyrl_ref.float64_reference``) at the binding's own bounds."""
+    plus the float64 contract (``skyrl_ref.float64_reference``) at the binding's own bounds. The
+    fp32 cases run ``precision="split"``, as upstream flips its kernel to IEEE fp32 for them
+    (``FORCE_FP32_IEEE_PRECISION``); the default rounds an fp32 operand to bf16."""
     import lmhead_torch as L
     from refs import close
     from skyrl_ref import float64_reference, stock_shifted
@@ -222,7 +224,8 @@ def skyrl_triton_tp(rank, world, device, chunk_size=8, with_oov=False, dtype_str
     lp_ref, gh_ref, gw_ref, grad_seed = stock_shifted(hidden, weight_shard, target_shifted, vstart, vend, chunk_size, group)
     leaf_h = hidden.detach().clone().requires_grad_(True)
     leaf_w = weight_shard.detach().clone().requires_grad_(True)
-    lp = L.FusedLinearLogprob.apply(leaf_h, leaf_w, target_shifted, vstart, vend, chunk_size, group, False)
+    precision = "split" if dtype == torch.float32 else None
+    lp = L.FusedLinearLogprob.apply(leaf_h, leaf_w, target_shifted, vstart, vend, chunk_size, group, False, precision=precision)
     lp.backward(grad_seed.clone())
     assert lp.dtype == torch.float32 and lp.shape == (B, S)
     tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
@@ -243,7 +246,8 @@ def skyrl_triton_tp(rank, world, device, chunk_size=8, with_oov=False, dtype_str
 def skyrl_fused_tp(rank, world, device, B=2, S=64, H=256, V=4096, chunks=(16, 512)):
     """Port of ``_distributed_main`` in SkyRL's ``test_fused_linear_logprob.py``: bf16 hidden,
     fp32 weight shard, targets in ``[0, V)``; fused vs ``_reference_fb`` with atol/rtol 1e-4 on
-    the forward and 5e-3 on both gradients (``grad_hidden`` local: not reduced)."""
+    the forward and 5e-3 on both gradients (``grad_hidden`` local: not reduced), with
+    ``precision="split"`` (fp32-grade logits, which those bounds need)."""
     import lmhead_torch as L
     from skyrl_ref import fused_reference
 
@@ -260,7 +264,7 @@ def skyrl_fused_tp(rank, world, device, B=2, S=64, H=256, V=4096, chunks=(16, 51
     for chunk_size in chunks:
         h = hidden.detach().clone().requires_grad_(True)
         w = weight.detach().clone().requires_grad_(True)
-        out = L.FusedLinearLogprob.apply(h, w, target, vstart, vend, chunk_size, group, False)
+        out = L.FusedLinearLogprob.apply(h, w, target, vstart, vend, chunk_size, group, False, precision="split")
         seed = torch.linspace(0.5, 1.5, steps=out.numel(), device=out.device, dtype=out.dtype).reshape(out.shape)
         out.backward(seed)
         out_r, gh_r, gw_r, _ = fused_reference(hidden, weight, target, vstart, vend, group, chunk_size)

@@ -5,7 +5,7 @@ the source tree's ``lmhead_torch/`` does not shadow the wheel): ``python ../tool
 
 - ``a``: the library call timed inside Rust (``_native.time_forward``), no Python;
 - ``b``: ``_native.gpu_forward`` with preallocated outputs (the native entry point);
-- ``c``: ``_core._forward`` (output allocation, device and stream lookups);
+- ``c``: ``_impl._forward`` (output allocation, device and stream lookups);
 - ``d``: ``fused_linear_logprob`` under ``no_grad`` (the checks and the public wrapper);
 - ``b2``/``e``: a no-op native call and three ``torch.empty`` (for scale).
 """
@@ -15,7 +15,7 @@ import time
 
 import torch
 import lmhead_torch as L
-from lmhead_torch import _core, _native
+from lmhead_torch import _impl, _native
 
 dev = torch.device("cuda", 0)
 sync = torch.cuda.current_stream(dev).synchronize
@@ -25,9 +25,9 @@ for (t, v, d) in [(4096, 32000, 4096), (256, 4096, 1024)]:
     lab = torch.randint(0, v, (t,), device=dev)
     lp = torch.empty(t, device=dev); lse = torch.empty(t, device=dev); ent = torch.empty(t, device=dev)
     stream = torch.cuda.current_stream(dev).cuda_stream
-    fargs = (0, stream, h.data_ptr(), w.data_ptr(), lab.data_ptr(), True, t, v, d, lp.data_ptr(), lse.data_ptr(), ent.data_ptr(), 1.0, -100)
-    nargs = fargs + (0, v, None)
-    cfg = _core._Cfg(1.0, -100, True, None, True)
+    fargs = ((0, stream), _impl._fwd_bufs(h, w, lab, d, lp, lse, ent), (1.0, -100, 0, v, 0))
+    nargs = fargs + (None,)
+    cfg = _impl._Cfg(1.0, -100, True, None, True)
     with torch.no_grad():
         L.fused_linear_logprob(h, w, lab)
     sync()
@@ -40,7 +40,7 @@ for (t, v, d) in [(4096, 32000, 4096), (256, 4096, 1024)]:
         "a2 rust x1 wall from py": lambda: timed(lambda: _native.time_forward(*fargs, 1)),
         "b native gpu_forward": lambda: timed(lambda: _native.gpu_forward(*nargs)),
         "b2 noop native": lambda: timed(lambda: _native.noop(*fargs)),
-        "c _core._forward": lambda: timed(lambda: _core._forward(h, w, lab, cfg)),
+        "c _impl._forward": lambda: timed(lambda: _impl._forward(h, w, lab, cfg)),
         "d fused_linear_logprob no_grad": lambda: timed(lambda: _nograd(h, w, lab)),
         "e empty x3 + device ctx": lambda: timed(lambda: _empties(t)),
     }

@@ -1,8 +1,19 @@
 //! Tensor maps of the sm90 configs: each operand described as a 2-D bf16 (or, for `dh`'s
 //! accumulator, f32) tensor with the 128-byte swizzle, encoded by the driver and copied,
-//! stream-ordered, into a small device buffer that lives until the launch is queued.
-
-use std::sync::Arc;
+//! stream-ordered, into a small device buffer the kernel reads.
+//!
+//! Eager launches copy their maps from a temporary host buffer into a device buffer freed on the
+//! same stream after the kernel. A launch captured into a CUDA graph cannot: the graph replays
+//! the copy from the host address it was captured with, and replays it long after that buffer is
+//! gone. So a captured launch takes its maps from [`Arena`]: each distinct set of maps is written
+//! once into pinned host memory that lives as long as the process, beside a device slot of the
+//! same size, and the captured copy (pinned slot → device slot, the same bytes at every replay)
+//! runs before the kernel. Sets are found by their bytes, so capturing the same launch again (a
+//! graph re-recorded, another graph on the same buffers) reuses its slot; two graphs sharing a
+//! slot may copy into it while the other's kernel reads it, which is harmless: every copy
+//! writes the bytes the slot already holds.
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{sys, CudaSlice, CudaStream, DevicePtr};
 use lmhead_core::config::TileConfig;
@@ -93,20 +104,24 @@ pub(super) fn encode_tmap(op: TmaOperand) -> Result<[u8; 128]> {
 }
 
 /// The tensor maps of a TMA launch (A, then B, then for a `tma_store` d-logits the staging
-/// buffer, for a `tma_store` `dh` the f32 accumulator) in device memory, 128 bytes apart, stream-ordered before the kernel, and their device
-/// address. Keep the returned buffer until the launch is queued: dropping it frees it on the same
-/// stream, after the kernel.
-pub(super) fn tma_maps(stream: &Arc<CudaStream>, ops: &[TmaOperand]) -> Result<(CudaSlice<u8>, u64)> {
+/// buffer, for a `tma_store` `dh` the f32 accumulator) in device memory, 128 bytes apart,
+/// stream-ordered before the kernel, and their device address. Keep the returned buffer until the
+/// launch is queued: dropping it frees it on the same stream, after the kernel. On a capturing
+/// stream the maps come from the process's [`Arena`] instead (no buffer is returned).
+pub(super) fn tma_maps(stream: &Arc<CudaStream>, ops: &[TmaOperand]) -> Result<(Option<CudaSlice<u8>>, u64)> {
     let mut all = vec![0u8; 128 * ops.len()];
     for (slot, &op) in all.chunks_exact_mut(128).zip(ops) {
         slot.copy_from_slice(&encode_tmap(op)?);
+    }
+    if crate::capture::capturing(stream)? {
+        return Ok((None, captured_maps(stream, &all)?));
     }
     let dev = stream.clone_htod(&all).during(|| "copying tensor maps to the device".to_string())?;
     let addr = dev.device_ptr(stream).0;
     if !addr.is_multiple_of(64) {
         return Err(Error::Config("tensor-map buffer is not 64-byte aligned".into()));
     }
-    Ok((dev, addr))
+    Ok((Some(dev), addr))
 }
 
 /// [`tma_maps`] for a TMA `cfg`; for any other config no buffer and address 0 (the kernel's
@@ -115,6 +130,100 @@ pub(super) fn tma_maps_for(cfg: TileConfig, stream: &Arc<CudaStream>, ops: &[Tma
     if !cfg.is_sm90() {
         return Ok((None, 0));
     }
-    let (buf, addr) = tma_maps(stream, ops)?;
-    Ok((Some(buf), addr))
+    tma_maps(stream, ops)
+}
+
+/// Bytes of pinned host memory (and of device memory beside it) the arena adds at a time: 8192
+/// maps, a few hundred captured launches (a forward captures one, a backward three per vocab
+/// chunk).
+const CHUNK_BYTES: usize = 1 << 20;
+
+/// One chunk of the arena: `CHUNK_BYTES` of pinned host memory and of device memory, the first
+/// `used` bytes of both holding interned map sets.
+struct Chunk {
+    host: *mut u8,
+    dev: u64,
+    used: usize,
+}
+
+/// The interned tensor-map sets of one CUDA context (see the module docs): never freed, since a
+/// graph that captured a copy from a slot may replay for as long as the process lives.
+struct Arena {
+    ctx: usize,
+    chunks: Vec<Chunk>,
+    /// A set's bytes → its chunk and offset.
+    slots: HashMap<Vec<u8>, (usize, usize)>,
+}
+
+// SAFETY: the raw pointers name pinned host memory and device memory that the arena owns and
+// never frees; they are read and written only under the `ARENAS` lock.
+unsafe impl Send for Arena {}
+
+static ARENAS: Mutex<Vec<Arena>> = Mutex::new(Vec::new());
+
+impl Arena {
+    /// The slot of `bytes` (pinned host address, device address), interned on first use. A new
+    /// chunk is allocated in relaxed capture mode (the calls are "potentially unsafe" under a
+    /// global-mode capture); nothing of it touches the capturing stream.
+    fn slot(&mut self, bytes: &[u8]) -> Result<(*const u8, u64)> {
+        if let Some(&(c, off)) = self.slots.get(bytes) {
+            let chunk = &self.chunks[c];
+            // SAFETY: `off + bytes.len()` is inside the chunk (checked when the slot was made).
+            return Ok((unsafe { chunk.host.add(off) } as *const u8, chunk.dev + off as u64));
+        }
+        if bytes.len() > CHUNK_BYTES {
+            return Err(Error::Config(format!("{} bytes of tensor maps for one launch", bytes.len())));
+        }
+        if self.chunks.last().is_none_or(|c| c.used + bytes.len() > CHUNK_BYTES) {
+            let chunk = crate::capture::relaxed(|| {
+                // SAFETY: plain allocations of CHUNK_BYTES in the current (bound) context; both
+                // are owned by the arena from here on.
+                let host = unsafe { cudarc::driver::result::malloc_host(CHUNK_BYTES, sys::CU_MEMHOSTALLOC_PORTABLE) }
+                    .during(|| "allocating pinned memory for captured tensor maps".into())?;
+                // SAFETY: as above.
+                let dev = match unsafe { cudarc::driver::result::malloc_sync(CHUNK_BYTES) } {
+                    Ok(d) => d,
+                    Err(source) => {
+                        // SAFETY: `host` was just allocated and is not used.
+                        let _ = unsafe { cudarc::driver::result::free_host(host) };
+                        return Err(Error::Driver { during: "allocating device memory for captured tensor maps".into(), source });
+                    }
+                };
+                Ok(Chunk { host: host as *mut u8, dev, used: 0 })
+            })?;
+            self.chunks.push(chunk);
+        }
+        let c = self.chunks.len() - 1;
+        let chunk = &mut self.chunks[c];
+        let off = chunk.used;
+        // SAFETY: `[off, off + len)` is inside the chunk's pinned allocation (checked above) and
+        // not yet handed out, so nothing reads it; once written it never changes.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), chunk.host.add(off), bytes.len()) };
+        chunk.used += bytes.len();
+        self.slots.insert(bytes.to_vec(), (c, off));
+        // SAFETY: as above.
+        Ok((unsafe { chunk.host.add(off) } as *const u8, chunk.dev + off as u64))
+    }
+}
+
+/// The device address of `bytes` for a launch on the capturing `stream`: its arena slot, with
+/// the copy from the pinned slot queued (captured) on `stream`.
+fn captured_maps(stream: &Arc<CudaStream>, bytes: &[u8]) -> Result<u64> {
+    stream.context().bind_to_thread().during(|| "binding the context".into())?;
+    let ctx = stream.context().cu_ctx() as usize;
+    let mut arenas = ARENAS.lock().unwrap();
+    let i = match arenas.iter().position(|a| a.ctx == ctx) {
+        Some(i) => i,
+        None => {
+            arenas.push(Arena { ctx, chunks: Vec::new(), slots: HashMap::new() });
+            arenas.len() - 1
+        }
+    };
+    let (host, dev) = arenas[i].slot(bytes)?;
+    // SAFETY: `host` names `bytes.len()` bytes of pinned memory that never change or go away
+    // (the arena's), `dev` as many bytes of the arena's device memory in the stream's context;
+    // the copy is queued on `stream` (recorded into its graph), before the kernel that reads it.
+    unsafe { cudarc::driver::result::memcpy_htod_async(dev, std::slice::from_raw_parts(host, bytes.len()), stream.cu_stream()) }
+        .during(|| "copying captured tensor maps".into())?;
+    Ok(dev)
 }

@@ -1,0 +1,1 @@
+"""Shim package for running SkyRL's tests unmodified (see tests/upstream/README.md)."""
