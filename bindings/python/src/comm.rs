@@ -1,5 +1,5 @@
 //! The library's callback traits implemented with Python callables: the tensor-parallel
-//! all-reduce on device memory ([`lmhead::Communicator`]) and on host memory
+//! all-reduce on device memory ([`lmhead::tp::Communicator`]) and on host memory
 //! ([`lmhead::cpu::HostComm`]), and workspace allocation ([`lmhead::ScratchAlloc`]).
 //!
 //! Each callback takes the GIL for its duration (the library runs without it) and turns a
@@ -9,9 +9,10 @@
 use std::sync::Arc;
 
 use lmhead::cudarc::driver::CudaStream;
+use lmhead::tp::Communicator;
 use lmhead::tp::Dev;
 use lmhead::tp::ReduceOp;
-use lmhead::{Communicator, Error, Result};
+use lmhead::{Error, Result};
 use pyo3::prelude::*;
 
 use crate::errors::stash;

@@ -28,10 +28,8 @@ use std::time::Instant;
 use half::bf16;
 use lmhead::cpu::{CpuGrads, CpuInputs};
 use lmhead::cudarc::driver::CudaStream;
-use lmhead::{
-    Borrowed, BwdInputs, BwdOptions, Communicator, FwdInputs, FwdOptions, FwdOutputs, GradOut, LabelCheck, LabelType, LmHead, Problem,
-    ReduceDh, Shard,
-};
+use lmhead::tp::{Communicator, ReduceDh, Shard};
+use lmhead::{Borrowed, BwdInputs, BwdOptions, FwdInputs, FwdOptions, FwdOutputs, GradOut, LabelCheck, LabelType, LmHead, Problem};
 use pyo3::prelude::*;
 
 use crate::comm::{HostPyComm, NoComm, PyComm, PyScratch, SingleHost};
@@ -79,7 +77,7 @@ fn device_supported(py: Python<'_>, ordinal: usize) -> PyResult<(bool, String)> 
 #[pyfunction]
 fn device_info(py: Python<'_>, ordinal: usize) -> PyResult<Py<PyAny>> {
     let h = head(py, ordinal)?;
-    let info = h.gpu().info().clone();
+    let info = h.device_info().clone();
     let d = pyo3::types::PyDict::new(py);
     d.set_item("name", info.name)?;
     d.set_item("cc", info.cc)?;
@@ -249,7 +247,7 @@ fn make_comm(comm: CommArg) -> Option<PyComm> {
 fn stream_of(head: &LmHead, raw: u64) -> Arc<CudaStream> {
     // SAFETY: `raw` is PyTorch's current stream of this device (or 0, the legacy default
     // stream), which PyTorch keeps alive for the duration of the call (module docs).
-    unsafe { lmhead::borrowed_stream(head.gpu().context(), raw) }
+    unsafe { lmhead::borrowed_stream(head.context(), raw) }
 }
 
 /// The fused forward on the GPU, on stream `target.1` of device `target.0`: writes `logprob`,
@@ -339,7 +337,7 @@ fn bwd_on<L: LabelType>(head: &LmHead, stream: &Arc<CudaStream>, a: &BwdArgs, co
         _ => {
             let reduce = if a.reduce == 2 { ReduceDh::Caller } else { ReduceDh::AllReduce };
             let c: &dyn Communicator = comm.unwrap_or(&NoComm);
-            head.backward_tp(lmhead::TpBackward { comm: c, shard: a.shard, reduce }, stream, &x, &a.opts, dh, dw).map(|_| ())
+            head.backward_tp(lmhead::tp::TpBackward { comm: c, shard: a.shard, reduce }, stream, &x, &a.opts, dh, dw).map(|_| ())
         }
     }
 }
