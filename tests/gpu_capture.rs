@@ -225,6 +225,14 @@ fn forward_and_backward_replay_from_a_graph() {
     let seed = run_seed(test);
     // A capturable stream (the legacy default stream cannot capture).
     let stream = head.gpu().context().new_stream().unwrap();
+    // cudarc's event tracking makes every use of a `CudaSlice` wait on the event of its last
+    // write; under capture that wait is on an event recorded before the capture, which CUDA
+    // refuses (CUDA_ERROR_STREAM_CAPTURE_ISOLATION). A caller that captures turns it off (or
+    // passes `Borrowed` buffers, as the PyTorch package does), as here before any test buffer.
+    // SAFETY: every buffer below is written and read on `stream` only (the test allocator's on
+    // the stream the library names, which the library orders by its own events), so nothing
+    // relies on cudarc's per-slice events.
+    unsafe { head.gpu().context().disable_event_tracking() };
     // Three vocab chunks (the backward's side stream joins the capture), t and v off the tiles.
     let (t, v, d) = (300, 2900, 256);
     let p = Problem::new(t, v, d);

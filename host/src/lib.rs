@@ -42,7 +42,7 @@ macro_rules! internal_mod {
     )*};
 }
 
-pub mod active;
+mod active;
 mod borrowed;
 mod bwd;
 mod capture;
