@@ -84,7 +84,7 @@ pub struct BwdOptions {
     #[cfg(feature = "testing")]
     pub config: BwdConfigs,
     /// Whether only the active rows (label not `ignore_index` and a non-zero given upstream
-    /// gradient) are computed, compacted into the workspace ([`crate::active`]; one small
+    /// gradient) are computed, compacted into the workspace ([`Compaction`]; one small
     /// synchronous read for their count). Inactive rows get a zero `dh` row and no `dW`
     /// contribution, as in the dense call; but a non-finite input in a row whose gradients are
     /// zero no longer reaches `dh` and `dW` as NaN. Default [`Compaction::Auto`].
@@ -145,7 +145,7 @@ pub struct BwdReport {
     pub dw_beside_dh: bool,
     /// Bytes of workspace the call used (staging + accumulator).
     pub workspace_bytes: usize,
-    /// Rows the kernels ran: the active rows when the call compacted them ([`crate::active`];
+    /// Rows the kernels ran: the active rows when the call compacted them ([`Compaction`];
     /// 0 when none was active: then nothing ran and `chunks` is 0), else `t`.
     pub rows: usize,
 }
@@ -254,7 +254,7 @@ impl LmHead {
     }
 
     /// The backward of a validated call on its device buffers, every row of `x` computed (the
-    /// dense call; [`crate::active`] calls it on the compacted rows).
+    /// dense call; the active-row compaction (`active.rs`) calls it on the compacted rows).
     pub(crate) fn backward_dev(
         &self,
         ws: &mut crate::workspace::Workspace,

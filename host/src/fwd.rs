@@ -47,7 +47,7 @@ pub struct FwdOptions {
     pub ignore_index: i64,
     /// How the labels are checked ([`LabelCheck`]). `Sync` (the default): every label before
     /// anything runs (one small kernel and a 12-byte synchronous read, which also brings back
-    /// the active rows' count, [`crate::active`]), failing with [`Error::BadLabel`] (first
+    /// the active rows' count, [`Compaction`]), failing with [`Error::BadLabel`] (first
     /// offending row and its label) when one is outside `[0, v)` and not `ignore_index`; nothing
     /// is tuned or written then. `Deferred` (what `Sync` becomes on a stream that is capturing a
     /// CUDA graph): no host read, such rows come out NaN and [`LmHead::take_label_status`]
@@ -61,7 +61,7 @@ pub struct FwdOptions {
     #[cfg(feature = "testing")]
     pub naive: bool,
     /// Whether only the active rows (label not `ignore_index`) are computed, compacted into the
-    /// workspace ([`crate::active`]). They are counted by the label check, so compaction needs
+    /// workspace (`active.rs`). They are counted by the label check, so compaction needs
     /// `check_labels`. Rows a call skips report log-prob 0, entropy 0 and lse `+∞`
     /// ([`FwdReport::rows`] says how many ran). Default [`Compaction::Auto`].
     pub compaction: Compaction,
@@ -112,7 +112,7 @@ pub struct FwdReport {
     pub raster_group: u32,
     /// Tiles of every split that a filler block took (0 = no fillers).
     pub fill: u32,
-    /// Rows the kernels ran: the active rows when the call compacted them ([`crate::active`];
+    /// Rows the kernels ran: the active rows when the call compacted them ([`Compaction`];
     /// 0 when none was active and nothing ran), else `t`.
     pub rows: usize,
 }
@@ -224,7 +224,7 @@ impl LmHead {
     }
 
     /// The forward of a validated call on its device buffers, every row of `f` computed (the
-    /// dense call; [`crate::active`] calls it on the compacted rows).
+    /// dense call; the active-row compaction (`active.rs`) calls it on the compacted rows).
     pub(crate) fn forward_dev(
         &self,
         ws: &mut crate::workspace::Workspace,
@@ -287,7 +287,7 @@ impl LmHead {
     /// Check every label before anything of the forward runs (so a bad label writes nothing and
     /// tunes nothing): one small kernel over the labels, then a 12-byte read of its verdict (a
     /// synchronisation with the stream), and on failure 8 bytes more for the offending label.
-    /// With `count`, the active rows are counted before the read ([`crate::active::count`]) and
+    /// With `count`, the active rows are counted before the read (`active::count`) and
     /// their number is returned from the same read.
     fn check_labels(
         &self,

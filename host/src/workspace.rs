@@ -402,7 +402,7 @@ pub struct Workspace {
     pub status: Grow<u32>,
     pub staging: Grow<half::bf16>,
     pub dh_acc: Grow<f32>,
-    /// The active rows' compaction ([`crate::active`]).
+    /// The active rows' compaction (`active.rs`).
     pub active: crate::active::ActiveWs,
     /// Created by the first backward that overlaps `dW` with `dh` ([`Side::of`]); kept for the
     /// `LmHead`'s life.
