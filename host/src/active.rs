@@ -106,7 +106,8 @@ pub const TILE_ROWS: usize = 128;
 pub enum Compaction {
     /// Every row is computed.
     Off,
-    /// The active rows alone when the cost model says that pays ([`plan`]), else every row.
+    /// The active rows alone when the cost model says that pays (the time the skipped rows
+    /// save against the gather and scatter), else every row.
     #[default]
     Auto,
     /// The active rows alone whenever a row is inactive (also where the model says it does not
