@@ -12,7 +12,7 @@
 //!   f64 reference, on the GPU if there is one, else on the CPU backend at a smaller shape.
 //! - `bench [args]`: run `lmhead-bench` here (needs a GPU).
 //! - `gpu-bundle`: build the release test and bench binaries and copy them, with `run-gpu.sh`,
-//!   into `.gpu/` (git-ignored), ready to carry to a GPU machine without Rust.
+//!   into `.gpu/` (git-ignored), ready to copy to a GPU machine without Rust.
 //! - `bench-report <results.jsonl> [--out-dir DIR]`: turn `lmhead-bench` JSON lines into a
 //!   markdown report (tables, autotuned vs fallback summary) and PNG plots, by default in
 //!   `docs/bench/`; `bench-report --docs` regenerates the tables of README.md and
@@ -132,8 +132,8 @@ fn bundle() -> Result<(), String> {
     for line in String::from_utf8_lossy(&msg.stdout).lines() {
         let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
         let (Some(exe), Some(name)) = (v["executable"].as_str(), v["target"]["name"].as_str()) else { continue };
-        // Only the GPU test binaries travel (the CPU ones run in CI); the device tool's transfer
-        // limit is 64 MiB, and each binary embeds the PTX and the cubin.
+        // Only the GPU test binaries go into the bundle (the CPU ones run in CI): each embeds the
+        // PTX and the cubin, so every extra binary adds about 20 MiB.
         if v["profile"]["test"].as_bool() != Some(true) || !GPU_TESTS.contains(&name) {
             continue;
         }
@@ -151,8 +151,8 @@ fn bundle() -> Result<(), String> {
     std::fs::copy(root().join("docs/run-gpu.sh"), out.join("run-gpu.sh")).map_err(|e| e.to_string())?;
     let size: u64 = copied.iter().map(|n| std::fs::metadata(out.join(n)).map(|m| m.len()).unwrap_or(0)).sum();
     println!("bundled {copied:?} ({:.1} MiB) for commit {commit} into {}", size as f64 / (1 << 20) as f64, out.display());
-    // The binaries (≈ 20 MiB each, mostly the embedded PTX text) exceed the device tool's
-    // 64 MiB carry together; compressed they take about a fifth. Carry `.gpuz` and unpack there.
+    // The binaries (≈ 20 MiB each, mostly the embedded PTX text) compress to about a fifth: the
+    // one file to copy to the GPU machine is `.gpuz/bundle.tgz` (docs/GPU.md).
     let packed = root().join(".gpuz");
     let _ = std::fs::remove_dir_all(&packed);
     std::fs::create_dir_all(&packed).map_err(|e| e.to_string())?;
