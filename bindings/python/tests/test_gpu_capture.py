@@ -3,8 +3,10 @@ library supports).
 
 - A training step (forward with entropy, a loss, ``backward()``) captured in a
   ``torch.cuda.CUDAGraph`` after eager warm-up calls on a side stream (PyTorch's recipe), then
-  replayed on fresh inputs copied into the captured tensors: outputs and gradients bitwise equal
-  to an eager step on the same inputs (same configs: the kernels are deterministic), and within
+  replayed on fresh inputs copied into the captured tensors: log-prob, entropy and dh bitwise
+  equal to an eager step on the same inputs (same configs: the kernels are deterministic), dW
+  within 2⁻⁸ of it (the eager step computes only the active rows, so dW sums them in another
+  order), and all of them within
   the bf16 bounds of the float64 reference (``refs.check_forward_gpu``, ``6e-3`` relative L2 on
   the gradients). Seeds are fixed per round (printed in the failure message).
 - A bad label under capture: the check is deferred, its row comes out NaN, and
@@ -94,7 +96,15 @@ def test_captured_step_replays_on_new_inputs(t, v, d):
         got = cap.replay(h, w, labels, adv)
         want = _eager(_step, h, w, labels, adv)
         for a, b, name in zip(got, want, ("logprob", "entropy", "dh", "dW")):
-            assert torch.equal(a, b), f"seed {seed}: replayed {name} differs from the eager step"
+            if name == "dW":
+                # The eager step computes only the active rows (its label check counts them);
+                # a captured one computes every row (no host read). dW sums the same rows' terms
+                # in another order: equal up to f32 rounding, then one bf16 rounding.
+                e = rel_l2(a, b)
+                assert e <= 2.0**-8, f"seed {seed}: replayed dW is {e:.3g} (rel L2) from the eager step"
+                continue
+            diff = (a.double() - b.double()).abs().max().item()
+            assert torch.equal(a, b), f"seed {seed}: replayed {name} differs from the eager step (max |diff| {diff:.3g})"
         r = reference(h, w, labels, 0.9, g_lp=adv, g_ent=torch.full_like(adv, -0.05), rss=True)
         check_forward_gpu(got[0], got[1], r, d, f"replay seed {seed}")
         assert rel_l2(got[2], r.dh, r.rss_dh) <= BF16_REL_L2, f"seed {seed}: dh"
