@@ -148,14 +148,16 @@ fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &FwdCase, seed: u64) -> (Stri
         }
     }
     let (lp_n, lp_x) = split_err(&pick(&glp), &rlp, &rlse);
-    let (lse_n, lse_x) = split_err(&pick(&glse), &rlse, &rlse);
+    // Skipped rows' lse (+∞, checked above) out of the summary: the reference's value there.
+    let glse_summary: Vec<f64> = rows.iter().zip(&rlse).map(|(&i, &x)| if skipped(i) { x } else { glse[i] }).collect();
+    let (lse_n, lse_x) = split_err(&glse_summary, &rlse, &rlse);
     let line = format!(
         "fwd t={:<5} v={:<6} d={:<5} ent={} cfg={:?} splits={} fill={} rows={} max_abs(normal rows) lp={:.1e} lse={:.1e} ent={} | max_rel(±1e4 rows) lp={:.1e} lse={:.1e}",
         c.t,
         c.v,
         c.d,
         c.entropy as u8,
-        report.kernel.as_deref().unwrap_or("naive"),
+        report.kernel.as_deref().unwrap_or(if c.naive { "naive" } else { "none (no active row)" }),
         report.n_splits,
         report.fill,
         rows.len(),

@@ -9,7 +9,8 @@
 //! - **off** — the rule's pick, nothing timed or cached. The default on the device model the rules
 //!   were measured on ([`MEASURED_ON`]): there the steady state showed no gain from per-shape
 //!   picks (`lmhead_core::heuristics::sm90`), while timing costs the first call of every bucket
-//!   0.07–0.4 s per family (`docs/results/probe-2026-11-30.jsonl`, `run-gpu.sh probe`).
+//!   up to 0.1 s per family at the probe's shapes (`docs/results/probe-2026-12-02.jsonl`, `run-gpu.sh
+//!   probe`).
 //! - **short list** — the default on every other device (and anywhere with `LMHEAD_AUTOTUNE=1`):
 //!   on the first call of a [`TuneKey`] (family, token bucket, `d`, local `v`, dtype, tensor
 //!   parallel or not) the short list is timed on the caller's whole shape, with one confirmation

@@ -1,8 +1,8 @@
 //! The table of `lmhead-bench active` (`lmhead_core::record::ActiveRow`): per head, mask layout
 //! and active fraction, the forward and the step on all rows, on the compacted rows alone (the
 //! ideal) and as the library runs them, with the library's time over the ideal's and its fixed
-//! cost (the library's time less the ideal's, also as a share of the call on all rows). One
-//! view, the default.
+//! cost (the library's time less the ideal's, also as a share of the call on all rows): the
+//! default view. `summary`: one line per active fraction, over heads and layouts (README).
 
 use std::fmt::Write as _;
 
@@ -13,8 +13,8 @@ use super::{counted, x, Source};
 
 /// The active-rows table, records in the suite's order (the latest record of a case wins).
 pub fn render(src: &Source, view: &str) -> Result<String, String> {
-    if !view.is_empty() {
-        return Err(format!("suite `{}`: no view `{view}` (its records make one table)", src.suite));
+    if !view.is_empty() && view != "summary" {
+        return Err(format!("suite `{}`: no view `{view}` (views: the default, `summary`)", src.suite));
     }
     let mut recs: Vec<(Value, ActiveRow)> = Vec::new();
     for (f, t) in src.files.iter().zip(&src.texts) {
@@ -29,6 +29,9 @@ pub fn render(src: &Source, view: &str) -> Result<String, String> {
     }
     if recs.is_empty() {
         return Err(format!("{}: no records", src.file_list()));
+    }
+    if view == "summary" {
+        return Ok(summary(src, &recs));
     }
     let mut s = String::new();
     let _ = writeln!(
@@ -75,12 +78,65 @@ pub fn render(src: &Source, view: &str) -> Result<String, String> {
          records {}.",
         x(worst_x),
         100.0 * worst_fixed,
-        recs.len(),
+        cases(recs.len()),
         counted(gpus.iter().map(String::as_str), "case"),
         counted(commits.iter().map(String::as_str), "case"),
         src.file_list()
     );
     Ok(s)
+}
+
+/// `1 case`, `27 cases`.
+fn cases(n: usize) -> String {
+    format!("{n} case{}", if n == 1 { "" } else { "s" })
+}
+
+/// Per active fraction (highest first), over every head and layout: the forward's and the step's
+/// time as a share of the call on all rows, and the library's time over the compacted call's
+/// (median, worst).
+fn summary(src: &Source, recs: &[(Value, ActiveRow)]) -> String {
+    let mut fractions: Vec<f64> = recs.iter().map(|(_, r)| r.fraction).collect();
+    fractions.sort_by(|a, b| b.total_cmp(a));
+    fractions.dedup();
+    let mut s = String::new();
+    let _ = writeln!(s, "| active rows | cases | forward: time of all rows | × compacted (worst) | step: time of all rows | × compacted (worst) |");
+    let _ = writeln!(s, "|---:|---:|---:|---:|---:|---:|");
+    let med = |v: Vec<f64>| super::median(&v).unwrap_or(f64::NAN);
+    for f in fractions {
+        let rs: Vec<&ActiveRow> = recs.iter().map(|(_, r)| r).filter(|r| r.fraction == f).collect();
+        let share = |g: &dyn Fn(&ActiveRow) -> f64| med(rs.iter().map(|r| g(r)).collect());
+        let worst = |g: &dyn Fn(&ActiveRow) -> f64| rs.iter().map(|r| g(r)).fold(0.0f64, f64::max);
+        let fwd_share = share(&|r| r.fwd_active.p50 / r.fwd_dense.p50);
+        let step_share = share(&|r| r.step_active.p50 / r.step_dense.p50);
+        let fwd_x = |r: &ActiveRow| r.fwd_active.p50 / r.fwd_ideal.p50;
+        let step_x = |r: &ActiveRow| r.step_active.p50 / r.step_ideal.p50;
+        let _ = writeln!(
+            s,
+            "| {:.0}% | {} | {:.0}% | {} ({}) | {:.0}% | {} ({}) |",
+            100.0 * f,
+            rs.len(),
+            100.0 * fwd_share,
+            x(share(&fwd_x)),
+            x(worst(&fwd_x)),
+            100.0 * step_share,
+            x(share(&step_x)),
+            x(worst(&step_x)),
+        );
+    }
+    let heads: Vec<String> = recs.iter().map(|(_, r)| format!("{} (d {})", r.model, r.d)).collect();
+    let text = |v: &Value, k: &str| v.get(k).and_then(Value::as_str).unwrap_or("not recorded").to_string();
+    let gpus: Vec<String> = recs.iter().map(|(v, _)| text(v, "gpu")).collect();
+    let _ = write!(
+        s,
+        "\nMedians over the heads and mask layouts at {} tokens: {}. Compacted: the dense call on only the active rows, gathered \
+         beforehand (the ideal). {} on {}; records {}.",
+        recs[0].1.t,
+        super::counted(heads.iter().map(String::as_str), "case"),
+        cases(recs.len()),
+        counted(gpus.iter().map(String::as_str), "case"),
+        src.file_list()
+    );
+    s
 }
 
 #[cfg(test)]
@@ -111,9 +167,11 @@ mod tests {
             "{t}"
         );
         assert!(
-            t.contains("At most 1.02× the compacted call; fixed cost at most 1.0% of the call on all rows. 1 on NVIDIA H200, commit c;"),
+            t.contains("At most 1.02× the compacted call; fixed cost at most 1.0% of the call on all rows. 1 case on NVIDIA H200, commit c;"),
             "{t}"
         );
-        assert!(render(&src, "summary").unwrap_err().contains("no view"));
+        let sm = render(&src, "summary").unwrap();
+        assert!(sm.contains("| 50% | 1 | 51% | 1.02× (1.02×) | 51% | 1.02× (1.02×) |"), "{sm}");
+        assert!(render(&src, "nope").unwrap_err().contains("no view"));
     }
 }
