@@ -148,12 +148,15 @@ pub fn model(pass: Pass, t: usize, n: usize, v: usize, d: usize) -> (f64, f64) {
     (saved, moved as f64 / COPY_BYTES_PER_S + FIXED_S)
 }
 
-/// What to do with `n` active rows of `t` under [`Compaction::Auto`] (module docs).
+/// What to do with `n` active rows of `t` under [`Compaction::Auto`] (module docs; the calls
+/// take [`plan_for`] with their option).
+#[cfg(test)]
 pub fn plan(pass: Pass, t: usize, n: usize, v: usize, d: usize) -> Plan {
     plan_for(Compaction::Auto, pass, t, n, v, d)
 }
 
-/// [`plan`] under `c` (`Off` is decided before anything is counted).
+/// What to do with `n` active rows of `t` under `c` (`Off` is decided before anything is
+/// counted).
 fn plan_for(c: Compaction, pass: Pass, t: usize, n: usize, v: usize, d: usize) -> Plan {
     if n >= t || c == Compaction::Off {
         return Plan::Dense;

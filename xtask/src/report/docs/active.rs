@@ -99,7 +99,10 @@ fn summary(src: &Source, recs: &[(Value, ActiveRow)]) -> String {
     fractions.sort_by(|a, b| b.total_cmp(a));
     fractions.dedup();
     let mut s = String::new();
-    let _ = writeln!(s, "| active rows | cases | forward: time of all rows | × compacted (worst) | step: time of all rows | × compacted (worst) |");
+    let _ = writeln!(
+        s,
+        "| active rows | cases | forward: time of all rows | × compacted (worst) | step: time of all rows | × compacted (worst) |"
+    );
     let _ = writeln!(s, "|---:|---:|---:|---:|---:|---:|");
     let med = |v: Vec<f64>| super::median(&v).unwrap_or(f64::NAN);
     for f in fractions {
@@ -167,7 +170,9 @@ mod tests {
             "{t}"
         );
         assert!(
-            t.contains("At most 1.02× the compacted call; fixed cost at most 1.0% of the call on all rows. 1 case on NVIDIA H200, commit c;"),
+            t.contains(
+                "At most 1.02× the compacted call; fixed cost at most 1.0% of the call on all rows. 1 case on NVIDIA H200, commit c;"
+            ),
             "{t}"
         );
         let sm = render(&src, "summary").unwrap();
