@@ -1,4 +1,4 @@
-//! GPU parity of the active rows (`lmhead::active`; skipped without a CUDA driver): forward and
+//! GPU parity of the active rows (`lmhead::Compaction`; skipped without a CUDA driver): forward and
 //! backward that compute only the rows the loss reads, under masks of every layout — all rows,
 //! none, one row, spans on tile and block edges (127, 128, 129 rows at 64-row boundaries, a span
 //! across the count kernel's 2048-row block edge, the last row), a suffix, packed multi-turn

@@ -17,7 +17,7 @@
 //!   with entropy 5.44 and spread 4.15 at d = 2048 was off by 0.46 against a bound of 0.31
 //!   (seed 14636981504786164461, `t128_v256_d64_s4_w8x1_tma`, row 515; now 1.6);
 //! - ignored rows: log-prob and entropy exactly 0, and lse `+∞` where the call skipped them
-//!   (`FwdReport::rows < t`; `lmhead::active`).
+//!   (`FwdReport::rows < t`; `lmhead::Compaction`).
 
 use lmhead::cudarc::driver::{CudaSlice, CudaStream};
 use lmhead::testing::{download_f32, poison, upload, upload_bf16};

@@ -1,5 +1,5 @@
 //! `lmhead-bench active`: the forward and forward+backward on masked batches, where only some
-//! rows' labels are read (`lmhead::active`), against the dense call on all rows and the dense call
+//! rows' labels are read (`lmhead::Compaction`), against the dense call on all rows and the dense call
 //! on only the active rows, compacted beforehand (the ideal), in the same rounds.
 //!
 //! Cases: the first three heads of [`MODELS`] (d = 2048, 4096, 5120 at their real vocabularies),
