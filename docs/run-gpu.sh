@@ -2,7 +2,7 @@
 # Runs on the GPU machine (no Rust there): the bundled test and bench binaries from `.gpu/`
 # (built by `cargo xtask gpu-bundle`). Usage, from the repository root on that machine:
 #
-#   bash .gpu/run-gpu.sh [steps...]     steps: info tests fills quick peers sweep probe entropy tp active exhaustive sanitize ncu plans sass (default: info tests quick)
+#   bash .gpu/run-gpu.sh [steps...]     steps: info tests fills portable quick peers sweep probe entropy tp active exhaustive sanitize ncu plans sass (default: info tests quick)
 #
 # Logs go to $OUT (or ./gpu-out when OUT is unset). Each step has a time limit so that one hung
 # step cannot eat the whole session. Set FILTER to pass a test-name filter to the test binaries,
@@ -20,7 +20,7 @@ nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nc
 # One test binary ($1) with the test-name filter $3, its output appended to $OUT/$2; prints the
 # summary and the panics; the tests step's per-case records also go to $OUT/records.txt.
 run_tests() {
-  timeout 280 "$B/$1" --test-threads=1 --nocapture ${3:-} > "$OUT/test.tmp" 2>&1
+  timeout ${TEST_TIMEOUT:-280} "$B/$1" --test-threads=1 --nocapture ${3:-} > "$OUT/test.tmp" 2>&1
   cat "$OUT/test.tmp" >> "$OUT/$2"
   grep -E "^test .*(FAILED|ok)$|test result|panicked|SKIP" "$OUT/test.tmp" | head -60
   grep -A3 "panicked" "$OUT/test.tmp" | grep -v "^stack\|^ *[0-9]*:" | head -40
@@ -63,6 +63,27 @@ for s in "${steps[@]}"; do
         done
         echo "== sanitizers (forced fillers)" | tee -a "$OUT/sanitize.log"
         run_sanitizers
+      ) ;;
+    portable)
+      # The portable module (sm_80 PTX, the mma.sync kernels) forced on this GPU and loaded by the
+      # driver's JIT (LMHEAD_TEST_MODULE=portable: read by the library only in its `testing`
+      # builds, the bundled tests and bench): the GPU parity suite, the reliability and bad-input
+      # suite, the sanitizers, then `quick` as a sanity figure (mma.sync on Hopper does not show
+      # the speed of the portable module's real targets). Logs: portable.log, sanitize.log (its
+      # "(portable)" part), bench-portable.md; records: bench-portable.jsonl. The first test
+      # binary JIT-compiles what it launches (the driver caches it for the others).
+      (
+        export LMHEAD_TEST_MODULE=portable LMHEAD_TUNE_CACHE="$OUT/tune-cache-portable.json" TEST_TIMEOUT=${TEST_TIMEOUT:-600}
+        for t in ${TESTS:-gpu_units gpu_fwd gpu_bwd gpu_active gpu_capture tp gpu_reliability}; do
+          [ -x "$B/$t" ] || continue
+          echo "== $t (portable module, JIT)"
+          run_tests "$t" portable.log "${FILTER:-}"
+        done
+        echo "== sanitizers (portable module, JIT)" | tee -a "$OUT/sanitize.log"
+        SAN_TIMEOUT=${SAN_TIMEOUT:-600} run_sanitizers
+        echo "== bench quick (portable module, JIT)"
+        timeout ${BENCH_TIMEOUT:-500} "$B/lmhead-bench" quick --out "$OUT/bench-portable.jsonl" ${BENCH_ARGS:-} 2>>"$OUT/bench.err" | tee -a "$OUT/bench-portable.md"
+        tail -3 "$OUT/bench.err"
       ) ;;
     quick|peers|sweep|entropy|probe|tp|active|exhaustive)
       echo "== bench $s"

@@ -40,7 +40,8 @@ fn a_dependent_crate_embeds_the_cubin() {
         .env("LMHEAD_TOOLS_DIR", &tools)
         .env_remove("LMHEAD_PTXAS")
         .env_remove("LMHEAD_ALLOW_JIT")
-        .env_remove("LMHEAD_PTX");
+        .env_remove("LMHEAD_PTX")
+        .env_remove("LMHEAD_PTX_SM80");
     // Keep the outer cargo's build settings (profile, rustflags of the test run) out.
     for (k, _) in std::env::vars_os() {
         let k = k.to_string_lossy().into_owned();

@@ -32,7 +32,7 @@ use lmhead::{
 };
 use lmhead_reference::rng::Rng;
 use lmhead_reference::{backward_dh_rows_rss, backward_dw_rows_rss, forward, forward_rows, masks, Case, Grads, Structure, IGNORE_INDEX};
-use lmhead_tests::{case_seed, check, check_rel_l2, check_rel_l2_terms, fwd_acc_tol, gpu_or_skip, run_seed};
+use lmhead_tests::{case_seed, check, check_rel_l2, check_rel_l2_terms, fixed_or_auto, fwd_acc_tol, gpu_or_skip, run_seed};
 
 /// The masks of every test, over `t` rows (`t` above 2048 + 20, so that a span crosses the count
 /// kernel's block edge).
@@ -63,7 +63,8 @@ fn bits(x: &[f32]) -> Vec<u32> {
 
 /// The first compiled sm90 forward candidate.
 fn sm90_fwd() -> Choice {
-    Choice::Fixed(*Family::Fwd.candidates().iter().find(|c| c.is_sm90()).expect("an sm90 candidate"))
+    // (`Choice::Auto` under the portable module: `fixed_or_auto`.)
+    fixed_or_auto(*Family::Fwd.candidates().iter().find(|c| c.is_sm90()).expect("an sm90 candidate"))
 }
 
 /// Forward outputs on the host and the report.

@@ -24,7 +24,7 @@ use lmhead::testing::{download_bf16, download_f32, poison, upload, upload_bf16};
 use lmhead::{bf16, BwdConfigs, BwdInputs, BwdOptions, Choice, Family, FwdInputs, FwdOptions, FwdOutputs, GradOut, LmHead, Problem};
 use lmhead_reference::rng::Rng;
 use lmhead_reference::{backward_dh_rows_rss, backward_dw_rows_rss, forward, Case, Grads, Structure, IGNORE_INDEX};
-use lmhead_tests::{case_seed, check_rel_l2_terms, gpu_or_skip, run_seed};
+use lmhead_tests::{case_seed, check_rel_l2_terms, fixed_or_auto, gpu_or_skip, held, run_seed};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Upstream {
@@ -219,7 +219,8 @@ fn run_all(test: &str, cases: &[BwdCase]) {
 
 /// The first candidate of each backward family that `pick` accepts.
 fn first_configs(pick: impl Fn(&lmhead::TileConfig) -> bool) -> BwdConfigs {
-    let first = |f: Family| Choice::Fixed(*f.candidates().iter().find(|c| pick(c)).expect("a matching candidate"));
+    // (`Choice::Auto` for an Sm90 config under the portable module: `fixed_or_auto`.)
+    let first = |f: Family| fixed_or_auto(*f.candidates().iter().find(|c| pick(c)).expect("a matching candidate"));
     BwdConfigs { dlogits: first(Family::BwdDlogits), dh: first(Family::BwdDh), dw: first(Family::BwdDw) }
 }
 
@@ -232,7 +233,7 @@ fn sm90_configs() -> BwdConfigs {
 /// The first d-logits and dh candidates that write their tiles through shared memory by TMA
 /// (dh: its f32 accumulator stored, then added in place), with the sm90 dW.
 fn tma_store_configs() -> BwdConfigs {
-    let st = |f: Family| Choice::Fixed(*f.candidates().iter().find(|c| c.mainloop.tma_store()).expect("a TMA-store candidate"));
+    let st = |f: Family| fixed_or_auto(*f.candidates().iter().find(|c| c.mainloop.tma_store()).expect("a TMA-store candidate"));
     BwdConfigs { dlogits: st(Family::BwdDlogits), dh: st(Family::BwdDh), ..sm90_configs() }
 }
 
@@ -318,7 +319,7 @@ fn structures() {
 #[test]
 fn tile_boundaries_every_config() {
     let mut cases = Vec::new();
-    for &cfg in Family::BwdDlogits.candidates() {
+    for &cfg in Family::BwdDlogits.candidates().iter().filter(|c| held(c)) {
         let (bm, bn, bk) = (cfg.bm as usize, cfg.bn as usize, cfg.bk as usize);
         let mut c = BwdCase::new(bm + 1, 2 * bn + 3, 2 * bk + 8, Upstream::Both);
         // Every row active: the kernels run at exactly these shapes (gpu_active covers masks).
@@ -327,7 +328,7 @@ fn tile_boundaries_every_config() {
         c.config.dlogits = Choice::Fixed(cfg);
         cases.push(c);
     }
-    for &cfg in Family::BwdDh.candidates() {
+    for &cfg in Family::BwdDh.candidates().iter().filter(|c| held(c)) {
         let (bm, bn, bk) = (cfg.bm as usize, cfg.bn as usize, cfg.bk as usize);
         let mut c = BwdCase::new(bm + 1, 4 * bk + 6, bn + 8, Upstream::LogProb);
         c.s.ignored = 0.0;

@@ -26,7 +26,7 @@ use lmhead::{
 };
 use lmhead_reference::rng::Rng;
 use lmhead_reference::{backward_dh_rows_rss, backward_dw_rows_rss, forward_rows, Case, Grads, Structure, IGNORE_INDEX};
-use lmhead_tests::{case_seed, check, check_rel_l2_terms, gpu_or_skip, run_seed};
+use lmhead_tests::{case_seed, check, check_rel_l2_terms, fixed_or_auto, gpu_or_skip, run_seed};
 
 const BF16_REL_L2: f64 = 6e-3;
 
@@ -210,7 +210,8 @@ fn same_bits(a: &[Vec<f64>; 5], b: &[Vec<f64>; 5], desc: &str) {
 /// first `Sm90` one (`dW`, the forward).
 fn tma_configs() -> (Choice, BwdConfigs) {
     let first = |f: Family, store: bool| {
-        Choice::Fixed(*f.candidates().iter().find(|c| c.is_sm90() && (!store || c.mainloop.tma_store())).expect("an sm90 candidate"))
+        // (`Choice::Auto` under the portable module: `fixed_or_auto`.)
+        fixed_or_auto(*f.candidates().iter().find(|c| c.is_sm90() && (!store || c.mainloop.tma_store())).expect("an sm90 candidate"))
     };
     (
         first(Family::FwdEnt, false),

@@ -23,7 +23,7 @@ use lmhead::cudarc::driver::{CudaSlice, CudaStream};
 use lmhead::testing::{download_f32, poison, upload, upload_bf16};
 use lmhead::{Choice, Family, FwdInputs, FwdOptions, FwdOutputs, LabelCheck, LmHead, Problem};
 use lmhead_reference::{forward_rows, Case, Structure, IGNORE_INDEX};
-use lmhead_tests::{case_seed, check, gpu_or_skip, run_seed};
+use lmhead_tests::{case_seed, check, fixed_or_auto, gpu_or_skip, held, run_seed, skip_sm90_only};
 use std::sync::Arc;
 
 /// One forward case.
@@ -180,8 +180,9 @@ fn run_all(test: &str, cases: &[FwdCase]) {
 }
 
 /// The first compiled sm90 (warp-specialised TMA + `wgmma`) candidate of the forward.
-fn tma_cfg() -> lmhead::TileConfig {
-    *Family::Fwd.candidates().iter().find(|c| c.is_sm90()).expect("an sm90 candidate")
+/// (`Choice::Auto` under the portable module: [`fixed_or_auto`].)
+fn tma_cfg() -> Choice {
+    fixed_or_auto(*Family::Fwd.candidates().iter().find(|c| c.is_sm90()).expect("an sm90 candidate"))
 }
 
 /// The shape list (not the full cross product: each M, V and H value appears), with
@@ -210,7 +211,7 @@ fn shapes() {
         c.i64_labels = i % 3 == 0;
         cases.push(c.clone());
         c.entropy = !c.entropy;
-        c.choice = Choice::Fixed(tma_cfg());
+        c.choice = tma_cfg();
         cases.push(c.clone());
         c.entropy = !c.entropy;
         cases.push(c);
@@ -241,7 +242,7 @@ fn structures() {
             c.entropy = entropy;
             // Both on the fallback and on the sm90 mainloop.
             cases.push(c.clone());
-            c.choice = Choice::Fixed(tma_cfg());
+            c.choice = tma_cfg();
             cases.push(c);
         }
     }
@@ -253,7 +254,7 @@ fn structures() {
 #[test]
 fn tile_boundaries_every_config() {
     let mut cases = Vec::new();
-    for &cfg in Family::Fwd.candidates() {
+    for &cfg in Family::Fwd.candidates().iter().filter(|c| held(c)) {
         let (bm, bn, bk) = (cfg.bm as usize, cfg.bn as usize, cfg.bk as usize);
         for (j, t) in [bm - 1, bm, bm + 1].into_iter().enumerate() {
             let mut c = FwdCase::new(t, 3 * bn + 3, 2 * bk + 8);
@@ -272,6 +273,9 @@ fn tile_boundaries_every_config() {
 /// and 5 K steps.
 #[test]
 fn sm90_tile_loop() {
+    if skip_sm90_only("gpu_fwd::sm90_tile_loop") {
+        return;
+    }
     let Some((head, stream)) = gpu_or_skip("gpu_fwd::sm90_tile_loop") else { return };
     let seed = run_seed("gpu_fwd::sm90_tile_loop");
     let sms = head.gpu().info().sm_count as usize;
@@ -296,6 +300,9 @@ fn sm90_tile_loop() {
 /// that the fillers write their own partial slots and take the masked tile.
 #[test]
 fn sm90_fillers() {
+    if skip_sm90_only("gpu_fwd::sm90_fillers") {
+        return;
+    }
     let Some((head, stream)) = gpu_or_skip("gpu_fwd::sm90_fillers") else { return };
     let seed = run_seed("gpu_fwd::sm90_fillers");
     for (i, &cfg) in Family::Fwd.candidates().iter().filter(|c| c.is_sm90()).enumerate() {

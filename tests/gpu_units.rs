@@ -11,7 +11,7 @@ use lmhead::cudarc::driver::CudaSlice;
 use lmhead::launch::{dev_in, dev_out, unit_tma_copy, unit_tma_store, unit_wgmma, unit_wgmma_mn};
 use lmhead::testing::{poison, upload_bf16};
 use lmhead_reference::rng::Rng;
-use lmhead_tests::{case_seed, gpu_or_skip, run_seed};
+use lmhead_tests::{case_seed, gpu_or_skip, run_seed, skip_sm90_only};
 
 /// Bit patterns of bf16 values uniform in [−2, 2), from the reference's replayable generator.
 fn bf16_values(seed: u64, n: usize) -> Vec<u16> {
@@ -24,6 +24,9 @@ fn bf16_values(seed: u64, n: usize) -> Vec<u16> {
 /// where no tile covers it, still the poison.
 #[test]
 fn tma_store_writes_fragments_in_place_and_clips() {
+    if skip_sm90_only("gpu_units::tma_store") {
+        return;
+    }
     let Some((head, stream)) = gpu_or_skip("gpu_units::tma_store") else { return };
     let (rows, cols) = (100usize, 136usize);
     let mut out: CudaSlice<bf16> = stream.alloc_zeros(rows * cols).unwrap();
@@ -63,6 +66,9 @@ fn tma_store_writes_fragments_in_place_and_clips() {
 
 #[test]
 fn tma_box_lands_128b_swizzled_and_zero_filled() {
+    if skip_sm90_only("gpu_units::tma") {
+        return;
+    }
     let Some((head, stream)) = gpu_or_skip("gpu_units::tma") else { return };
     let seed = case_seed(run_seed("gpu_units::tma"), 0);
     // A 300 × 136 matrix (stride 144): the box at (k0 = 64, row0 = 256) of 64 rows crosses both
@@ -102,6 +108,9 @@ fn tma_box_lands_128b_swizzled_and_zero_filled() {
 
 #[test]
 fn wgmma_tiles_match_f64() {
+    if skip_sm90_only("gpu_units::wgmma") {
+        return;
+    }
     let Some((head, stream)) = gpu_or_skip("gpu_units::wgmma") else { return };
     let seed = case_seed(run_seed("gpu_units::wgmma"), 0);
     for n in [128usize, 256] {
@@ -141,6 +150,9 @@ fn wgmma_tiles_match_f64() {
 #[test]
 fn wgmma_mn_major_b_matches_f64() {
     let test = "gpu_units::wgmma_mn";
+    if skip_sm90_only(test) {
+        return;
+    }
     let Some((head, stream)) = gpu_or_skip(test) else { return };
     let seed = case_seed(run_seed(test), 0);
     let (n, k) = (128usize, 64usize);

@@ -22,6 +22,7 @@ fn h200() -> DeviceInfo {
         max_smem_optin: 232_448,
         driver_version: 13_000,
         l2_bytes: 60 << 20,
+        module: lmhead::ptx::Module::Hopper,
     }
 }
 

@@ -8,7 +8,7 @@ use cudarc::driver::sys::CUfunction_attribute as F;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::Ptx;
 
-use lmhead_core::config::{fixed, kernel_name, Family, TileConfig};
+use lmhead_core::config::{kernel_name, Family, Module, TileConfig};
 
 use crate::error::{Context as _, Error, Result};
 
@@ -33,13 +33,18 @@ pub struct DeviceInfo {
     /// share of it).
     #[serde(default)]
     pub l2_bytes: u64,
+    /// The kernel module this device loads ([`Module::for_device`]; the portable one on an
+    /// sm_90 device only when a test forces it, `LMHEAD_TEST_MODULE`).
+    #[serde(default)]
+    pub module: Module,
 }
 
 impl DeviceInfo {
     /// One cache file per device kind: name, SM version, driver.
     pub fn fingerprint(&self) -> String {
         let clean: String = self.name.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '-' }).collect();
-        format!("{clean}-sm{}{}-drv{}", self.cc.0, self.cc.1, self.driver_version)
+        let module = if self.module == Module::Portable { "-portable" } else { "" };
+        format!("{clean}-sm{}{}-drv{}{module}", self.cc.0, self.cc.1, self.driver_version)
     }
 }
 
@@ -62,7 +67,13 @@ pub struct Gpu {
 /// headers print.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KernelReport {
-    /// True when the kernels are the embedded sm_90a cubin (no JIT).
+    /// The module loaded: `Hopper` (sm_90a, both mainloops) or `Portable` (sm_80, `mma.sync`).
+    pub module: Module,
+    /// The path the kernels run: "wgmma+TMA" (the Hopper module: its rules pick the `Sm90`
+    /// kernels, `mma.sync` where no Hopper kernel loads) or "mma.sync", then "sm_90a cubin",
+    /// "sm_80 cubin" or "JIT of the sm_80 PTX for sm_XY".
+    pub path: String,
+    /// True when the kernels are the module's embedded cubin (no JIT).
     pub cubin: bool,
     /// "cubin (…)" or why the kernels are JIT-compiled from PTX.
     pub source: String,
@@ -76,7 +87,7 @@ pub struct KernelReport {
 
 impl std::fmt::Display for KernelReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "kernels: {}; ", self.source)?;
+        write!(f, "kernels: {} module, {}; {}; ", self.module.name(), self.path, self.source)?;
         let fams: Vec<String> = self.families.iter().map(|(fam, n, ok)| format!("{} {ok}/{n}", fam.stem())).collect();
         write!(f, "loaded {}, fixed {}/{}", fams.join(", "), self.fixed.1, self.fixed.0)?;
         write!(f, "; {} failed to load", self.failed.len())
@@ -91,7 +102,7 @@ impl std::fmt::Debug for Gpu {
 
 impl Gpu {
     /// Open device `ordinal` (its primary context). Fails with [`Error::NoDriver`] on a machine
-    /// without the driver and [`Error::UnsupportedDevice`] on anything but compute capability 9.0.
+    /// without the driver and [`Error::UnsupportedDevice`] below compute capability 8.0.
     pub fn new(ordinal: usize) -> Result<Arc<Self>> {
         if !driver_present() {
             return Err(Error::NoDriver);
@@ -104,9 +115,10 @@ impl Gpu {
     pub fn from_context(ctx: Arc<CudaContext>) -> Result<Arc<Self>> {
         let name = ctx.name().during(|| "reading the device name".into())?;
         let cc = ctx.compute_capability().during(|| "reading the compute capability".into())?;
-        if cc != (9, 0) {
+        let Some(module) = Module::for_device(cc) else {
             return Err(Error::UnsupportedDevice { name, cc });
-        }
+        };
+        let module = test_module(cc).unwrap_or(Ok(module))?;
         let attr = |a| ctx.attribute(a).during(|| format!("reading device attribute {a:?}"));
         let sm_count = attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
         let max_smem_optin = attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)? as u32;
@@ -116,7 +128,7 @@ impl Gpu {
         unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) }.result().during(|| "reading the driver version".into())?;
         Ok(Arc::new(Self {
             ctx,
-            info: DeviceInfo { name, cc, sm_count, max_smem_optin, driver_version, l2_bytes },
+            info: DeviceInfo { name, cc, sm_count, max_smem_optin, driver_version, l2_bytes, module },
             functions: Mutex::new(HashMap::new()),
             cubin: Mutex::new(None),
             cubin_note: Mutex::new(None),
@@ -132,20 +144,44 @@ impl Gpu {
         &self.info
     }
 
+    /// The kernel module this device loads.
+    pub fn module(&self) -> Module {
+        self.info.module
+    }
+
+    /// Whether the module's cubin is machine code for this device: sm_90a only on 9.0, sm_80
+    /// within major 8; elsewhere the driver JIT-compiles the module's PTX.
+    fn cubin_runs_here(&self) -> bool {
+        match self.info.module {
+            Module::Hopper => self.info.cc == (9, 0),
+            Module::Portable => self.info.cc.0 == 8,
+        }
+    }
+
     /// The embedded cubin module (loaded once), if there is one and the driver accepts it.
     fn cubin_module(&self) -> Option<Arc<CudaModule>> {
         let mut slot = self.cubin.lock().unwrap();
         if let Some(m) = slot.as_ref() {
             return m.clone();
         }
-        let m = if crate::ptx::CUBIN.is_empty() {
+        let module = self.info.module;
+        let cubin = crate::ptx::cubin(module);
+        let (major, minor) = self.info.cc;
+        let m = if !self.cubin_runs_here() {
+            *self.cubin_note.lock().unwrap() = Some(format!(
+                "JIT of the {} PTX for sm_{major}{minor} (no cubin of the {} module runs on this architecture)",
+                module.arch(),
+                module.name()
+            ));
+            None
+        } else if cubin.is_empty() {
             *self.cubin_note.lock().unwrap() = Some("no cubin embedded (built without ptxas): kernels are JIT-compiled".into());
             None
         } else if std::env::var("LMHEAD_FORCE_JIT").is_ok_and(|v| v == "1") {
             *self.cubin_note.lock().unwrap() = Some("LMHEAD_FORCE_JIT=1: kernels are JIT-compiled from PTX".into());
             None
         } else {
-            match self.ctx.load_module(Ptx::from_binary(crate::ptx::CUBIN.to_vec())) {
+            match self.ctx.load_module(Ptx::from_binary(cubin.to_vec())) {
                 Ok(m) => Some(m),
                 Err(e) => {
                     let note = format!("the embedded cubin did not load ({e}); kernels are JIT-compiled from PTX");
@@ -162,7 +198,7 @@ impl Gpu {
     /// How kernels are loaded: from the embedded cubin, or why they are JIT-compiled.
     pub fn loader(&self) -> String {
         match self.cubin_module() {
-            Some(_) => "cubin (sm_90a, assembled at build time)".into(),
+            Some(_) => format!("cubin ({}, assembled at build time)", self.info.module.arch()),
             None => self.cubin_note.lock().unwrap().clone().unwrap_or_default(),
         }
     }
@@ -212,13 +248,33 @@ impl Gpu {
     pub fn kernel_report(&self) -> KernelReport {
         let mut families = Vec::new();
         for f in Family::ALL {
-            let ok = f.candidates().iter().filter(|&&c| self.tuned_function(f, c).is_ok()).count();
-            families.push((f, f.candidates().len(), ok));
+            // The candidates this module holds (the portable one has no `Sm90` kernels).
+            let held: Vec<TileConfig> = f.candidates().iter().copied().filter(|c| self.info.module.holds(c.mainloop)).collect();
+            let ok = held.iter().filter(|&&c| self.tuned_function(f, c).is_ok()).count();
+            families.push((f, held.len(), ok));
         }
-        let fixed_ok = fixed::ALL.iter().filter(|n| self.function(n, 0).is_ok()).count();
+        let module = self.info.module;
+        let fixed = module.fixed();
+        let fixed_ok = fixed.iter().filter(|n| self.function(n, 0).is_ok()).count();
         let mut failed: Vec<(String, String)> = self.failed.lock().unwrap().0.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         failed.sort();
-        KernelReport { cubin: self.cubin_module().is_some(), source: self.loader(), families, fixed: (fixed::ALL.len(), fixed_ok), failed }
+        let cubin = self.cubin_module().is_some();
+        let mainloop = match module {
+            Module::Hopper => "wgmma+TMA",
+            Module::Portable => "mma.sync",
+        };
+        let (major, minor) = self.info.cc;
+        let how =
+            if cubin { format!("{} cubin", module.arch()) } else { format!("JIT of the {} PTX for sm_{major}{minor}", module.arch()) };
+        KernelReport {
+            module,
+            path: format!("{mainloop}, {how}"),
+            cubin,
+            source: self.loader(),
+            families,
+            fixed: (fixed.len(), fixed_ok),
+            failed,
+        }
     }
 
     fn load_function(&self, name: &str, smem: u32) -> Result<CudaFunction> {
@@ -246,9 +302,10 @@ impl Gpu {
         let f = match cubin {
             Some(m) => m.load_function(name).during(|| format!("finding kernel `{name}` in the embedded cubin"))?,
             None => {
-                let src = crate::ptx::entry_modules()
+                let module = self.info.module;
+                let src = crate::ptx::entry_modules_of(module)
                     .get(name)
-                    .ok_or_else(|| Error::Config(format!("kernel `{name}` is not in the embedded PTX")))?;
+                    .ok_or_else(|| Error::Config(format!("kernel `{name}` is not in the embedded PTX of the {} module", module.name())))?;
                 let module = match self.ctx.load_module(Ptx::from_src(src.clone())) {
                     Ok(m) => m,
                     Err(e) => return Err(Error::Config(format!("JIT of kernel `{name}` failed ({e}): {}", jit_error_log(src)))),
@@ -273,6 +330,26 @@ impl Gpu {
         v.sort();
         v
     }
+}
+
+/// The module a test asks for with `LMHEAD_TEST_MODULE=portable` (or `hopper`), read only in
+/// builds with the `testing` feature (the tests and benches; never a user's build): the
+/// portable module on the H200, JIT-compiled from its sm_80 PTX, runs the whole GPU suite on
+/// the kernels the other architectures load. `None`: unset, the device's own module.
+fn test_module(cc: (i32, i32)) -> Option<Result<Module>> {
+    if !cfg!(feature = "testing") {
+        return None;
+    }
+    let v = std::env::var("LMHEAD_TEST_MODULE").ok()?;
+    Some(match v.trim() {
+        "" => return None,
+        "portable" => Ok(Module::Portable),
+        "hopper" if cc == (9, 0) => Ok(Module::Hopper),
+        other => Err(Error::Config(format!(
+            "LMHEAD_TEST_MODULE={other}: expected `portable`, or `hopper` on a compute capability 9.0 device (this one is {}.{})",
+            cc.0, cc.1
+        ))),
+    })
 }
 
 /// The driver JIT's error log for `ptx` (loads it once more with a log buffer; the module is

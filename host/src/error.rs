@@ -8,7 +8,8 @@ use lmhead_core::ShapeError;
 pub enum Error {
     /// No CUDA driver library on this machine (use the CPU backend).
     NoDriver,
-    /// The device is not one the kernels are built for (compute capability 9.0 with sm_90a).
+    /// The device is older than the kernels support (compute capability below 8.0: the
+    /// tensor-core instructions, `cp.async` and bf16 need sm_80).
     UnsupportedDevice { name: String, cc: (i32, i32) },
     /// A bad problem shape.
     Shape(ShapeError),
@@ -45,7 +46,12 @@ impl std::fmt::Display for Error {
         match self {
             Error::NoDriver => write!(f, "no CUDA driver found (libcuda); use the CPU backend"),
             Error::UnsupportedDevice { name, cc } => {
-                write!(f, "{name} (compute capability {}.{}) is not supported: the kernels are built for sm_90a (H100/H200)", cc.0, cc.1)
+                write!(
+                    f,
+                    "{name} (compute capability {}.{}) is not supported: the kernels need compute capability 8.0 or later \
+                     (Ampere, Ada, Hopper, Blackwell: bf16 mma.sync, cp.async); use the CPU backend or another implementation",
+                    cc.0, cc.1
+                )
             }
             Error::Shape(e) => write!(f, "bad shape: {e}"),
             Error::Length { what, expected, got } => write!(f, "{what} has {got} elements, the shape needs {expected}"),
@@ -93,5 +99,19 @@ pub(crate) trait Context<T> {
 impl<T> Context<T> for std::result::Result<T, cudarc::driver::DriverError> {
     fn during(self, what: impl FnOnce() -> String) -> Result<T> {
         self.map_err(|source| Error::Driver { during: what(), source })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unsupported_device_says_what_is_needed() {
+        // What `Gpu::from_context` returns below compute capability 8.0 (`Module::for_device`).
+        assert_eq!(lmhead_core::config::Module::for_device((7, 0)), None);
+        let e = Error::UnsupportedDevice { name: "Tesla V100-SXM2-16GB".into(), cc: (7, 0) };
+        let msg = e.to_string();
+        assert!(msg.contains("Tesla V100") && msg.contains("7.0") && msg.contains("8.0 or later"), "{msg}");
     }
 }

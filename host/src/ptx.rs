@@ -1,23 +1,59 @@
-//! The embedded PTX (built by `build.rs`) and its split into one small module per entry point,
-//! so that a process JIT-compiles only the kernels it launches.
+//! The embedded kernel modules (built by `build.rs`): the Hopper one (sm_90a, every kernel) and
+//! the portable one (sm_80, the `mma.sync` kernels), each as PTX and as a cubin; and the PTX's
+//! split into one small module per entry point, so that a process JIT-compiles only the kernels
+//! it launches.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::OnceLock;
 
 use lmhead_core::Family;
 
-/// The whole PTX module, as built.
+pub use lmhead_core::config::Module;
+
+/// The Hopper module's PTX, as built.
 pub const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels.ptx"));
 
-/// The same module assembled for sm_90a by ptxas at build time (empty when ptxas was not
+/// The Hopper module assembled for sm_90a by ptxas at build time (empty when ptxas was not
 /// available; the kernels are then JIT-compiled from [`PTX`]).
 pub const CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kernels.cubin"));
 
-/// A short hash of the PTX (part of the tuning-cache key: new kernels invalidate old timings).
+/// The portable module's PTX (sm_80: JIT-compiled by the driver on any later architecture).
+pub const PTX_SM80: &str = include_str!(concat!(env!("OUT_DIR"), "/kernels_sm80.ptx"));
+
+/// The portable module assembled for sm_80 (runs on every compute capability 8.x device; empty
+/// in a PTX-only build).
+pub const CUBIN_SM80: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/kernels_sm80.cubin"));
+
+/// `module`'s PTX.
+pub const fn ptx(module: Module) -> &'static str {
+    match module {
+        Module::Hopper => PTX,
+        Module::Portable => PTX_SM80,
+    }
+}
+
+/// `module`'s cubin (empty in a PTX-only build).
+pub const fn cubin(module: Module) -> &'static [u8] {
+    match module {
+        Module::Hopper => CUBIN,
+        Module::Portable => CUBIN_SM80,
+    }
+}
+
+/// A short hash of both modules' PTX (part of the tuning-cache key: new kernels invalidate old
+/// timings).
 pub fn ptx_hash() -> String {
     use sha2::{Digest, Sha256};
     static H: OnceLock<String> = OnceLock::new();
-    H.get_or_init(|| short_hex(&Sha256::digest(PTX.as_bytes()))).clone()
+    H.get_or_init(|| {
+        let mut h = Sha256::new();
+        for m in Module::ALL {
+            h.update(ptx(m).as_bytes());
+            h.update([0]);
+        }
+        short_hex(&h.finalize())
+    })
+    .clone()
 }
 
 /// Per family, a hash of its compiled candidates ([`family_hash_of`] over the embedded PTX), so
@@ -82,10 +118,15 @@ fn neutral_labels(text: &str) -> String {
     out
 }
 
-/// Per-entry PTX modules: the header and module-level declarations, then one entry.
+/// The Hopper module's per-entry PTX modules ([`entry_modules_of`]).
 pub fn entry_modules() -> &'static HashMap<String, String> {
-    static MODS: OnceLock<HashMap<String, String>> = OnceLock::new();
-    MODS.get_or_init(|| split(PTX))
+    entry_modules_of(Module::Hopper)
+}
+
+/// `module`'s per-entry PTX modules: the header and module-level declarations, then one entry.
+pub fn entry_modules_of(module: Module) -> &'static HashMap<String, String> {
+    static MODS: [OnceLock<HashMap<String, String>>; 2] = [OnceLock::new(), OnceLock::new()];
+    MODS[module as usize].get_or_init(|| split(ptx(module)))
 }
 
 /// Split a PTX module into one module per `.entry` (each with the shared prelude: `.version`,
@@ -159,6 +200,32 @@ mod tests {
         }
         for name in lmhead_core::config::fixed::ALL {
             assert!(mods.contains_key(name), "{name}");
+        }
+    }
+
+    #[test]
+    fn the_portable_module_holds_every_mma_sync_entry_and_no_sm90_one() {
+        let mods = entry_modules_of(Module::Portable);
+        for f in lmhead_core::Family::ALL {
+            for &c in f.candidates() {
+                let name = lmhead_core::config::kernel_name(f, c);
+                assert_eq!(mods.contains_key(&name), !c.is_sm90(), "{name}");
+                if let Some(m) = mods.get(&name) {
+                    assert!(m.contains(".target sm_80"), "{name}");
+                    assert!(!m.contains("wgmma") && !m.contains("cp.async.bulk") && !m.contains("setmaxnreg"), "{name}");
+                }
+            }
+        }
+        for name in Module::Portable.fixed() {
+            assert!(mods.contains_key(*name), "{name}");
+        }
+        let mma_sync: usize = lmhead_core::Family::ALL.iter().map(|f| f.candidates().iter().filter(|c| !c.is_sm90()).count()).sum();
+        assert_eq!(mods.len(), mma_sync + lmhead_core::config::fixed::PORTABLE.len());
+        assert!(!mods.keys().any(|n| n.starts_with("lm_head_unit")));
+        // Both modules are embedded, each with a cubin unless this is a PTX-only build.
+        for m in Module::ALL {
+            assert!(!ptx(m).is_empty(), "{m:?}");
+            assert_eq!(cubin(m).is_empty(), cubin(Module::Hopper).is_empty(), "{m:?}");
         }
     }
 

@@ -10,6 +10,37 @@ use lmhead_reference::metrics::{compare, Compare};
 
 pub use lmhead_reference::rng::seed_from_env;
 
+/// Whether this run forces the portable module (`LMHEAD_TEST_MODULE=portable`, read by the
+/// library only in its `testing` builds): the sm_80 PTX JIT-compiled on the H200, holding the
+/// `MmaSync` kernels only. `docs/run-gpu.sh portable` sets it.
+pub fn portable() -> bool {
+    std::env::var("LMHEAD_TEST_MODULE").is_ok_and(|v| v.trim() == "portable")
+}
+
+/// Whether the module under test holds `c` (the portable one has no `Sm90` kernel).
+pub fn held(c: &lmhead::TileConfig) -> bool {
+    !(portable() && c.is_sm90())
+}
+
+/// `Choice::Fixed(c)` where the module under test holds `c`; else (an `Sm90` config under the
+/// portable module) `Choice::Auto`, the portable rules' pick, so the case still runs.
+pub fn fixed_or_auto(c: lmhead::TileConfig) -> lmhead::Choice {
+    if held(&c) {
+        lmhead::Choice::Fixed(c)
+    } else {
+        lmhead::Choice::Auto
+    }
+}
+
+/// Prints a SKIP line and returns true where a test exercises only `Sm90` kernels and the
+/// portable module is under test.
+pub fn skip_sm90_only(test: &str) -> bool {
+    if portable() {
+        println!("SKIP {test}: LMHEAD_TEST_MODULE=portable (the portable module has no Sm90 kernels)");
+    }
+    portable()
+}
+
 /// The run seed of a test, printed so a failure can be replayed with `LMHEAD_SEED=<seed>`.
 pub fn run_seed(test: &str) -> u64 {
     let s = seed_from_env();

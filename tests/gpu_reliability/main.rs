@@ -23,7 +23,7 @@ use lmhead::{
 };
 use lmhead_reference::rng::Rng;
 use lmhead_reference::{backward_dw_rows, forward_rows, Case, Grads, Inputs, Structure};
-use lmhead_tests::{check_rel_l2, gpu_or_skip, run_seed};
+use lmhead_tests::{check_rel_l2, gpu_or_skip, held, run_seed};
 
 struct Setup {
     case: Case,

@@ -1,8 +1,9 @@
 //! Project tasks (`cargo xtask <task>`, aliased in `.cargo/config.toml`):
 //!
 //! - `setup`: install what the build needs (nightly components, the ptxas wheel into `.tools/`).
-//! - `build-ptx`: build the kernels, assemble them with ptxas for sm_90a, print the resource
-//!   table (registers, shared memory, stack, spills); fail on any stack frame or spill that
+//! - `build-ptx`: build the kernels, lower them into both modules (Hopper: sm_90a, every kernel;
+//!   portable: sm_80, the `mma.sync` ones), assemble each with ptxas, print their resource
+//!   tables (registers, shared memory, stack, spills); fail on any stack frame or spill that
 //!   `lmhead_build::RESOURCE_ALLOWLIST` does not excuse.
 //! - `test`: `setup`, `build-ptx`, then every test of the workspace (GPU tests skip with a
 //!   printed reason when there is no CUDA driver), then the PyTorch package's suite
@@ -58,30 +59,40 @@ fn build_ptx() -> Result<(), String> {
     let ptxas = setup()?;
     let paths = lmhead_build::Paths::new(root());
     let t0 = std::time::Instant::now();
-    let ptx = lmhead_build::build_ptx(&paths)?;
-    let ptx_path = paths.target_dir.join("lmhead_kernels.ptx");
-    std::fs::write(&ptx_path, &ptx).map_err(|e| e.to_string())?;
-    let cubin = paths.target_dir.join("lmhead_kernels.cubin");
-    let report = lmhead_build::assemble(&ptxas, &ptx_path, &cubin)?;
-    let res = report.resources;
-    let (table, mut bad) = lmhead_build::resource_table(&res);
-    bad.extend(report.perf_warnings);
-    println!("{table}");
-    println!(
-        "{} entry points in {} ({} KiB of PTX), assembled for {} in {:.1} s",
-        res.values().filter(|r| r.is_entry).count(),
-        ptx_path.display(),
-        ptx.len() / 1024,
-        lmhead_build::ARCH,
-        t0.elapsed().as_secs_f64()
-    );
+    let built = lmhead_build::build_modules(&paths)?;
+    let lowered = t0.elapsed().as_secs_f64();
+    let mut bad = Vec::new();
+    for module in lmhead_build::Module::ALL {
+        let t1 = std::time::Instant::now();
+        let stem = lmhead_build::stem("lmhead_kernels", module);
+        let ptx = built.ptx(module);
+        let ptx_path = paths.target_dir.join(format!("{stem}.ptx"));
+        std::fs::write(&ptx_path, ptx).map_err(|e| e.to_string())?;
+        let cubin = paths.target_dir.join(format!("{stem}.cubin"));
+        let report = lmhead_build::assemble(&ptxas, &ptx_path, &cubin, module)?;
+        let res = report.resources;
+        let (table, module_bad) = lmhead_build::resource_table(&res, module);
+        bad.extend(module_bad);
+        bad.extend(report.perf_warnings.into_iter().map(|w| format!("{}: {w}", module.name())));
+        println!("{} module ({}):\n{table}", module.name(), module.arch());
+        println!(
+            "{} module: {} entry points in {} ({} KiB of PTX), assembled for {} in {:.1} s",
+            module.name(),
+            res.values().filter(|r| r.is_entry).count(),
+            ptx_path.display(),
+            ptx.len() / 1024,
+            module.arch(),
+            t1.elapsed().as_secs_f64()
+        );
+    }
+    println!("built and lowered both modules in {lowered:.1} s; {:.1} s in all", t0.elapsed().as_secs_f64());
     if !bad.is_empty() {
         return Err(format!(
             "resource check failed (0 stack, 0 spills and no ptxas performance-loss note is the norm; allowlist with a reason in lmhead-build):\n  {}",
             bad.join("\n  ")
         ));
     }
-    println!("resource check: every kernel has 0 bytes of stack and no spills; ptxas noted no performance loss");
+    println!("resource check: every kernel of both modules has 0 bytes of stack and no spills; ptxas noted no performance loss");
     Ok(())
 }
 

@@ -94,7 +94,8 @@ def release_workspace() -> None:
 
 
 def device_info(device=None) -> dict:
-    """The library's view of a CUDA device (name, compute capability, SMs, driver), opening it."""
+    """The library's view of a CUDA device (name, compute capability, SMs, driver, L2, the kernel
+    module it loads: ``"hopper"`` or ``"portable"``), opening it."""
     dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     _ensure_device(dev.index if dev.index is not None else torch.cuda.current_device())
     return _call(_native.device_info, dev.index if dev.index is not None else torch.cuda.current_device())

@@ -72,8 +72,8 @@ fn device_supported(py: Python<'_>, ordinal: usize) -> PyResult<(bool, String)> 
 }
 
 /// Open device `ordinal` (idempotent) and describe it and its kernels: a dict with `name`,
-/// `cc` (major, minor), `sm_count`, `driver_version`, `kernels` (where the kernels come from
-/// and how many load). Raises the `UnavailableError` of a missing driver or unsupported GPU.
+/// `cc` (major, minor), `sm_count`, `driver_version`, `l2_bytes`, `module` (the kernel module
+/// loaded: `"hopper"` on compute capability 9.0, `"portable"` on any other from 8.0). Raises the `UnavailableError` of a missing driver or unsupported GPU.
 #[pyfunction]
 fn device_info(py: Python<'_>, ordinal: usize) -> PyResult<Py<PyAny>> {
     let h = head(py, ordinal)?;
@@ -84,6 +84,7 @@ fn device_info(py: Python<'_>, ordinal: usize) -> PyResult<Py<PyAny>> {
     d.set_item("sm_count", info.sm_count)?;
     d.set_item("driver_version", info.driver_version)?;
     d.set_item("l2_bytes", info.l2_bytes)?;
+    d.set_item("module", info.module.name())?;
     Ok(d.into_any().unbind())
 }
 

@@ -336,6 +336,7 @@ def test_bad_inputs_on_gpu():
 def test_warm_up_and_device_info():
     info = L.device_info()
     assert tuple(info["cc"]) == torch.cuda.get_device_capability()
+    assert info["module"] == ("hopper" if tuple(info["cc"]) == (9, 0) else "portable")
     print(info, _native.kernel_report(torch.cuda.current_device()))
     L.warm_up([100, 3000], 4096, 256, entropy=True, backward=True)
     h, w, labels = _inputs(3000, 4096, 256, seed=25)

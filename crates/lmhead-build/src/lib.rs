@@ -1,4 +1,5 @@
-//! The PTX builder: turns `kernels-gpu` into one PTX module, and (with `ptxas`) into a resource
+//! The PTX builder: turns `kernels-gpu` into two PTX modules, one per [`Module`] (sm_90a with
+//! every kernel, sm_80 with the portable ones), and (with `ptxas`) into cubins and a resource
 //! report. Used by `host/build.rs` (so a plain `cargo build` of the host embeds fresh PTX) and by
 //! `cargo xtask build-ptx` (which also assembles and checks every entry point).
 //!
@@ -8,23 +9,31 @@
 //! 2. `cargo build --release --target nvptx64-nvidia-cuda -Zbuild-std=core` with fat LTO, and a
 //!    linker shim (`-C linker=`) that keeps the LTO'd bitcode instead of calling the missing
 //!    `llvm-bitcode-linker`;
-//! 3. `llc -O3 -mcpu=sm_90a -mattr=+ptx80` from the nightly's `llvm-tools`;
-//! 4. every entry gets `.maxntid <threads>, 1, 1` from the candidate tables, so `ptxas` knows the
+//! 3. the Hopper module: `llc -O3 -mcpu=sm_90a -mattr=+ptx80` from the nightly's `llvm-tools`
+//!    on the whole bitcode;
+//! 4. the portable module: the same bitcode with every entry but the portable ones internalised
+//!    and removed (`opt -passes=internalize,globaldce`), then `llc -O3 -mcpu=sm_80 -mattr=+ptx80`
+//!    (one rustc build, two lowerings: NVPTX takes the subtarget from `-mcpu` alone, so the
+//!    functions' `target-cpu` attribute from the build does not carry over);
+//! 5. every entry gets `.maxntid <threads>, 1, 1` from the candidate tables, so `ptxas` knows the
 //!    block size it allocates registers for;
-//! 5. optionally `ptxas -arch=sm_90a -v` (PyPI wheel `nvidia-cuda-nvcc`, fetched into `.tools/`).
+//! 6. optionally `ptxas -arch=<module's arch> -v` (PyPI wheel `nvidia-cuda-nvcc`, fetched into
+//!    `.tools/`).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use lmhead_core::config::{fixed, kernel_name, Family};
+pub use lmhead_core::config::Module;
+use lmhead_core::config::{kernel_name, Family};
 
 pub type Result<T> = std::result::Result<T, String>;
 
 /// The pinned ptxas wheel.
 pub const PTXAS_WHEEL: &str = "nvidia-cuda-nvcc==13.5.37";
-/// The GPU architecture everything is built for (H100/H200 with the `a` features: wgmma, setmaxnreg).
+/// The GPU architecture the Hopper module is built for (H100/H200 with the `a` features: wgmma,
+/// setmaxnreg); [`Module::arch`] names each module's.
 pub const ARCH: &str = "sm_90a";
 
 /// Entry points allowed a stack frame or spills, with the reason. Empty: every kernel must have
@@ -151,24 +160,26 @@ done
 cp "$obj" "$out.bc" && : > "$out"
 "#;
 
-/// Threads per block of every entry point, from the candidate tables.
-pub fn entry_threads() -> BTreeMap<String, u32> {
+/// Threads per block of every entry point of `module`, from the candidate tables.
+pub fn entry_threads(module: Module) -> BTreeMap<String, u32> {
     let mut m = BTreeMap::new();
     for f in Family::ALL {
         for &c in f.candidates() {
-            m.insert(kernel_name(f, c), c.threads());
+            if module.holds(c.mainloop) {
+                m.insert(kernel_name(f, c), c.threads());
+            }
         }
     }
-    for name in fixed::ALL {
-        m.insert(name.to_string(), fixed::THREADS);
+    for name in module.fixed() {
+        m.insert(name.to_string(), lmhead_core::config::fixed::THREADS);
     }
     m
 }
 
-/// Insert `.maxntid` after the parameter list of every known entry. Fails on an entry that is
-/// not in the tables (it would run with an unknown block size).
-pub fn add_launch_bounds(ptx: &str) -> Result<String> {
-    let threads = entry_threads();
+/// Insert `.maxntid` after the parameter list of every entry of `module`. Fails on an entry that
+/// is not in the module's tables (it would run with an unknown block size) and on a missing one.
+pub fn add_launch_bounds(ptx: &str, module: Module) -> Result<String> {
+    let threads = entry_threads(module);
     let mut out = String::with_capacity(ptx.len() + 64 * threads.len());
     // (threads, warp-specialised) of the entry whose parameter list is open.
     let mut pending: Option<(u32, bool)> = None;
@@ -177,7 +188,7 @@ pub fn add_launch_bounds(ptx: &str) -> Result<String> {
     for line in ptx.lines() {
         if let Some(rest) = line.trim_start().strip_prefix(".visible .entry ") {
             let name = rest.split('(').next().unwrap_or("").trim();
-            let t = *threads.get(name).ok_or_else(|| format!("PTX entry `{name}` is not in the candidate tables"))?;
+            let t = *threads.get(name).ok_or_else(|| format!("PTX entry `{name}` is not in the {} module's tables", module.name()))?;
             pending = Some((t, name.ends_with("_tma")));
             seen += 1;
         }
@@ -197,7 +208,7 @@ pub fn add_launch_bounds(ptx: &str) -> Result<String> {
         }
     }
     if seen != threads.len() {
-        return Err(format!("PTX has {seen} entries, the tables name {}", threads.len()));
+        return Err(format!("{} PTX has {seen} entries, the tables name {}", module.name(), threads.len()));
     }
     if bounded != seen {
         return Err(format!("launch bounds added to {bounded} of {seen} entries: the end of a parameter list was not recognised"));
@@ -205,8 +216,33 @@ pub fn add_launch_bounds(ptx: &str) -> Result<String> {
     Ok(out)
 }
 
-/// Build the kernels and return the PTX text (with launch bounds).
-pub fn build_ptx(paths: &Paths) -> Result<String> {
+/// The two modules' PTX text (with launch bounds).
+#[derive(Clone, Debug)]
+pub struct Built {
+    pub hopper: String,
+    pub portable: String,
+}
+
+impl Built {
+    pub fn ptx(&self, module: Module) -> &str {
+        match module {
+            Module::Hopper => &self.hopper,
+            Module::Portable => &self.portable,
+        }
+    }
+}
+
+/// The file stem of `module`'s PTX and cubin in a build directory (`kernels.ptx` and
+/// `kernels_sm80.ptx` in the host's `OUT_DIR`; `lmhead_kernels[_sm80].ptx` in the kernel target).
+pub fn stem(base: &str, module: Module) -> String {
+    match module {
+        Module::Hopper => base.to_string(),
+        Module::Portable => format!("{base}_sm80"),
+    }
+}
+
+/// Build the kernels once and lower them into both modules ([`Built`]).
+pub fn build_modules(paths: &Paths) -> Result<Built> {
     ensure_toolchain()?;
     std::fs::create_dir_all(&paths.target_dir).map_err(|e| e.to_string())?;
     let shim = paths.target_dir.join("lmhead-linker-shim.sh");
@@ -228,13 +264,36 @@ pub fn build_ptx(paths: &Paths) -> Result<String> {
     if !bc.exists() {
         return Err(format!("the linker shim left no bitcode at {}", bc.display()));
     }
-    let raw = paths.target_dir.join("lmhead_kernels.raw.ptx");
-    let llc = llvm_bin()?.join("llc");
-    let mut cmd = Command::new(&llc);
-    cmd.args(["-O3", &format!("-mcpu={ARCH}"), "-mattr=+ptx80"]).arg(&bc).arg("-o").arg(&raw);
-    run(&mut cmd, "llc")?;
-    let ptx = std::fs::read_to_string(&raw).map_err(|e| e.to_string())?;
-    add_launch_bounds(&ptx)
+    let bin = llvm_bin()?;
+    let lower = |module: Module, input: &Path| -> Result<String> {
+        let raw = paths.target_dir.join(format!("{}.raw.ptx", stem("lmhead_kernels", module)));
+        let mut cmd = Command::new(bin.join("llc"));
+        cmd.args(["-O3", &format!("-mcpu={}", module.arch()), "-mattr=+ptx80"]).arg(input).arg("-o").arg(&raw);
+        run(&mut cmd, &format!("llc for {}", module.arch()))?;
+        let ptx = std::fs::read_to_string(&raw).map_err(|e| e.to_string())?;
+        add_launch_bounds(&ptx, module)
+    };
+    let hopper = lower(Module::Hopper, &bc)?;
+    // The portable module: only its entries stay external; everything else is internalised and
+    // dropped by global DCE before lowering for sm_80.
+    let keep = paths.target_dir.join("portable-entries.txt");
+    let names: Vec<String> = entry_threads(Module::Portable).into_keys().collect();
+    std::fs::write(&keep, names.join("\n") + "\n").map_err(|e| format!("writing {}: {e}", keep.display()))?;
+    let portable_bc = paths.target_dir.join("lmhead_kernels_sm80.bc");
+    let mut cmd = Command::new(bin.join("opt"));
+    cmd.arg("-passes=internalize,globaldce")
+        .arg(format!("-internalize-public-api-file={}", keep.display()))
+        .arg(&bc)
+        .arg("-o")
+        .arg(&portable_bc);
+    run(&mut cmd, "opt (keeping the portable entries)")?;
+    let portable = lower(Module::Portable, &portable_bc)?;
+    Ok(Built { hopper, portable })
+}
+
+/// Build the kernels and return the Hopper module's PTX text (with launch bounds).
+pub fn build_ptx(paths: &Paths) -> Result<String> {
+    Ok(build_modules(paths)?.hopper)
 }
 
 /// Find `ptxas`: `LMHEAD_PTXAS`, then the `.tools/` cache. With `install`, fetch the pinned wheel
@@ -344,25 +403,26 @@ pub fn perf_warnings(report: &str) -> Vec<String> {
     w
 }
 
-/// Assemble `ptx` with `ptxas` and return the parsed report (and write the cubin beside it).
-pub fn assemble(ptxas: &Path, ptx_path: &Path, cubin: &Path) -> Result<Report> {
+/// Assemble `module`'s PTX at `ptx_path` with `ptxas` for its architecture and return the parsed
+/// report (and write the cubin).
+pub fn assemble(ptxas: &Path, ptx_path: &Path, cubin: &Path, module: Module) -> Result<Report> {
     let mut cmd = Command::new(ptxas);
-    cmd.args([&format!("-arch={ARCH}"), "-v"]).arg(ptx_path).arg("-o").arg(cubin);
+    cmd.args([&format!("-arch={}", module.arch()), "-v"]).arg(ptx_path).arg("-o").arg(cubin);
     let out = run(&mut cmd, "ptxas")?;
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     Ok(Report { resources: parse_ptxas(&text), perf_warnings: perf_warnings(&text) })
 }
 
-/// The resource table, and the list of violations (stack, spills, non-inlined functions) that
-/// the allowlist does not excuse.
-pub fn resource_table(res: &BTreeMap<String, Resources>) -> (String, Vec<String>) {
-    let threads = entry_threads();
+/// The resource table of `module`, and the list of violations (stack, spills, non-inlined
+/// functions) that the allowlist does not excuse.
+pub fn resource_table(res: &BTreeMap<String, Resources>, module: Module) -> (String, Vec<String>) {
+    let threads = entry_threads(module);
     let mut table = String::new();
     writeln!(table, "{:<48} {:>7} {:>5} {:>8} {:>6} {:>7}", "entry", "threads", "regs", "smem_dyn", "stack", "spills").unwrap();
     let mut bad = Vec::new();
     for (name, r) in res {
         if !r.is_entry {
-            bad.push(format!("`{name}` is a separate device function (not inlined): calls cost a stack frame"));
+            bad.push(format!("{}: `{name}` is a separate device function (not inlined): calls cost a stack frame", module.name()));
             continue;
         }
         let smem = smem_of(name).map(|b| b.to_string()).unwrap_or_else(|| "-".into());
@@ -379,7 +439,7 @@ pub fn resource_table(res: &BTreeMap<String, Resources>) -> (String, Vec<String>
         .unwrap();
         let excused = RESOURCE_ALLOWLIST.iter().any(|(n, _)| n == name);
         if (r.stack > 0 || r.spill_stores > 0 || r.spill_loads > 0) && !excused {
-            bad.push(format!("`{name}`: {} bytes stack, {} + {} bytes spilled", r.stack, r.spill_stores, r.spill_loads));
+            bad.push(format!("{}: `{name}`: {} bytes stack, {} + {} bytes spilled", module.name(), r.stack, r.spill_stores, r.spill_loads));
         }
     }
     (table, bad)
@@ -407,7 +467,7 @@ mod tests {
         let r = parse_ptxas(text);
         assert_eq!(r["k1"], Resources { registers: 164, stack: 24, spill_stores: 8, spill_loads: 4, static_smem: 0, is_entry: true });
         assert!(!r["helper"].is_entry);
-        let (_, bad) = resource_table(&r);
+        let (_, bad) = resource_table(&r, Module::Hopper);
         assert_eq!(bad.len(), 2, "{bad:?}");
     }
 
@@ -421,22 +481,39 @@ mod tests {
 
     #[test]
     fn launch_bounds_follow_the_tables() {
+        let threads = entry_threads(Module::Hopper);
         let mut ptx = String::new();
         // Both forms llc writes: a bare `)` and `)  // @name`.
-        for (i, (name, _)) in entry_threads().into_iter().enumerate() {
+        for (i, (name, _)) in threads.iter().enumerate() {
             let close = if i % 2 == 0 { ")".to_string() } else { format!(")                   // @{name}") };
             ptx.push_str(&format!(".visible .entry {name}(\n\t.param .align 8 .b8 {name}_param_0[96]\n{close}\n{{\n\tret;\n}}\n"));
         }
-        let out = add_launch_bounds(&ptx).unwrap();
-        assert_eq!(out.matches(".maxntid").count(), entry_threads().len());
+        let out = add_launch_bounds(&ptx, Module::Hopper).unwrap();
+        assert_eq!(out.matches(".maxntid").count(), threads.len());
         assert!(out.contains(".maxntid 256, 1, 1"));
-        let tma = entry_threads().keys().filter(|n| n.ends_with("_tma")).count();
+        let tma = threads.keys().filter(|n| n.ends_with("_tma")).count();
         assert!(tma > 0);
         assert_eq!(out.matches(".minnctapersm 1").count(), tma);
         assert!(out.contains(".maxntid 384, 1, 1\n.minnctapersm 1"));
         // An unrecognised end of the parameter list is an error, not a kernel without bounds.
-        let name = entry_threads().into_keys().next().unwrap();
-        assert!(add_launch_bounds(&format!(".visible .entry {name}(\n) extra\n{{\n}}\n")).is_err());
-        assert!(add_launch_bounds(".visible .entry unknown(\n)\n{\n}\n").is_err());
+        let name = threads.keys().next().unwrap();
+        assert!(add_launch_bounds(&format!(".visible .entry {name}(\n) extra\n{{\n}}\n"), Module::Hopper).is_err());
+        assert!(add_launch_bounds(".visible .entry unknown(\n)\n{\n}\n", Module::Hopper).is_err());
+        // The Hopper module's PTX is not the portable one's: its Sm90 entries are unknown there.
+        assert!(add_launch_bounds(&ptx, Module::Portable).is_err());
+    }
+
+    #[test]
+    fn the_portable_module_holds_the_mma_sync_kernels_and_no_sm90_one() {
+        let hopper = entry_threads(Module::Hopper);
+        let portable = entry_threads(Module::Portable);
+        assert!(portable.keys().all(|n| hopper.contains_key(n)));
+        for f in Family::ALL {
+            for &c in f.candidates() {
+                assert_eq!(portable.contains_key(&kernel_name(f, c)), !c.is_sm90(), "{f:?} {c:?}");
+            }
+        }
+        assert!(!portable.keys().any(|n| n.ends_with("_tma") || n.contains("unit_")), "{portable:?}");
+        assert!(portable.contains_key(lmhead_core::config::fixed::FWD_MERGE));
     }
 }

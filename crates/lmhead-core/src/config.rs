@@ -408,6 +408,82 @@ pub mod fixed {
         UNIT_WGMMA_MN_N128,
         UNIT_TMA_STORE,
     ];
+    /// The fixed entry points of the portable module ([`super::Module::Portable`]): all but the
+    /// `Sm90` unit kernels (TMA, `wgmma`, `stmatrix`).
+    pub const PORTABLE: [&str; 11] = [
+        CHECK_LABELS,
+        ACTIVE_COUNT,
+        ACTIVE_PLACE,
+        COPY_ROWS,
+        MAP_VALUES,
+        FWD_MERGE,
+        FWD_ROW_STATE,
+        FWD_RESCALE,
+        FWD_FINISH,
+        CAST_F32_BF16,
+        NAIVE_FWD,
+    ];
+}
+
+/// The embedded kernel modules, one per architecture the kernels are lowered and assembled for
+/// (one rustc build, two `llc` lowerings; `lmhead-build`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[cfg_attr(feature = "std", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "std", serde(rename_all = "snake_case"))]
+pub enum Module {
+    /// sm_90a (H100, H200, H20, GH200): every kernel, both mainloops. Its PTX uses the `a`
+    /// features (`wgmma`, `setmaxnreg`), so it runs on compute capability 9.0 only.
+    #[default]
+    Hopper,
+    /// sm_80: the `MmaSync` kernels and the fixed kernels but the `Sm90` units. Its cubin runs on
+    /// every 8.x device (A100, A10, L4, L40S, RTX 30/40); its PTX is JIT-compiled by the driver
+    /// on any later architecture (Blackwell 10.x and 12.x; 9.0 when a test forces it).
+    Portable,
+}
+
+impl Module {
+    pub const ALL: [Module; 2] = [Module::Hopper, Module::Portable];
+
+    /// The `llc -mcpu` / `ptxas -arch` target.
+    pub const fn arch(self) -> &'static str {
+        match self {
+            Module::Hopper => "sm_90a",
+            Module::Portable => "sm_80",
+        }
+    }
+
+    /// Its name in reports and in `LMHEAD_TEST_MODULE`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Module::Hopper => "hopper",
+            Module::Portable => "portable",
+        }
+    }
+
+    /// The module a device of compute capability `cc` loads (`None`: below 8.0, unsupported).
+    pub const fn for_device(cc: (i32, i32)) -> Option<Module> {
+        match cc {
+            (9, 0) => Some(Module::Hopper),
+            (major, _) if major >= 8 => Some(Module::Portable),
+            _ => None,
+        }
+    }
+
+    /// Whether this module holds the kernels of `mainloop`.
+    pub const fn holds(self, mainloop: Mainloop) -> bool {
+        match self {
+            Module::Hopper => true,
+            Module::Portable => matches!(mainloop, Mainloop::MmaSync),
+        }
+    }
+
+    /// The fixed entry points it holds.
+    pub const fn fixed(self) -> &'static [&'static str] {
+        match self {
+            Module::Hopper => &fixed::ALL,
+            Module::Portable => &fixed::PORTABLE,
+        }
+    }
 }
 
 #[cfg(all(test, feature = "std"))]

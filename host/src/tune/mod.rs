@@ -427,7 +427,12 @@ impl Tuner {
 
 /// The rules' view of a device.
 pub fn limits_of(d: &DeviceInfo) -> heuristics::Device {
-    heuristics::Device::new(d.cc, d.sm_count, d.l2_bytes, d.max_smem_optin)
+    let dev = heuristics::Device::new(d.cc, d.sm_count, d.l2_bytes, d.max_smem_optin);
+    match d.module {
+        lmhead_core::config::Module::Hopper => dev,
+        // The portable module holds no Hopper kernel: its rules alone, on any device.
+        lmhead_core::config::Module::Portable => dev.portable(),
+    }
 }
 
 /// Whether `c` can run `p` on `device` (`Err` names the first broken limit).

@@ -13,6 +13,22 @@
 //! on an sm_80-class device, whose occupancy differs (two 72 KiB blocks fit an sm_80 SM, one an
 //! sm_86 SM): the tuner, on by default there, times the short list.
 //! (The portable kernels take the plain makespan plan and no fillers: [`super::fwd_plan`].)
+//!
+//! The device limits these rules read, per architecture the portable module runs on:
+//!
+//! | compute capability | devices | shared memory per block (opt-in) | registers per block |
+//! |---|---|---|---|
+//! | 8.0 | A100, A30 | 163 KiB | 64 Ki |
+//! | 8.6, 8.7, 8.9 | A10, A40, RTX 30, Orin, L4, L40S, RTX 40 | 99 KiB | 64 Ki |
+//! | 9.0 (forced by a test) | H100, H200 | 227 KiB | 64 Ki |
+//! | 10.x, 12.x (JIT of the sm_80 PTX) | B200, B300, RTX 50 | 227 KiB (10.x), 99 KiB (12.x) | 64 Ki |
+//!
+//! Shared memory decides through [`Device::fits`] (the ranking's first configs that fit).
+//! Registers never exclude a config: every portable entry carries `.maxntid` of its block size
+//! (`lmhead-build`), so ptxas (and the driver's JIT) keep `threads × registers` within the 64 Ki
+//! registers a block may hold on every architecture from 8.0 on ([`fits_registers`], checked for
+//! every candidate in the tests), spilling rather than failing to launch (`cargo xtask build-ptx`
+//! shows 0 spills for sm_80).
 
 use crate::config::{tc, Family, TileConfig};
 use crate::Problem;
@@ -124,8 +140,28 @@ pub const fn ranking(family: Family, t: usize) -> &'static [TileConfig] {
     }
 }
 
+/// Registers one block may hold on every architecture from 8.0 on.
+pub const REGISTERS_PER_BLOCK: u32 = 65_536;
+/// Registers one thread may use (ptxas's ceiling).
+pub const MAX_REGISTERS_PER_THREAD: u32 = 255;
+
+/// Whether `c`'s block fits the register file at any register count ptxas may choose under its
+/// `.maxntid` (at most [`MAX_REGISTERS_PER_THREAD`], and at most `REGISTERS_PER_BLOCK / threads`).
+pub const fn fits_registers(c: TileConfig) -> bool {
+    let per_thread = REGISTERS_PER_BLOCK / c.threads();
+    per_thread >= 32 && c.threads() <= 1024
+}
+
 /// What the tuner may time for `family` at `p` on `dev`: the first configs of [`ranking`] that
-/// fit, the rule's pick first.
+/// fit its shared memory and registers, the rule's pick first.
 pub fn shortlist(family: Family, p: Problem, dev: &Device) -> Shortlist {
-    Shortlist::of(family, ranking(family, p.t), dev)
+    let mut ranked = [family.fallback(); 8];
+    let mut n = 0;
+    for &c in ranking(family, p.t) {
+        if fits_registers(c) && n < ranked.len() {
+            ranked[n] = c;
+            n += 1;
+        }
+    }
+    Shortlist::of(family, &ranked[..n], dev)
 }

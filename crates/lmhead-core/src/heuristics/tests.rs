@@ -143,6 +143,49 @@ fn the_portable_rules_choose_by_the_shared_memory_limit() {
 }
 
 #[test]
+fn every_device_from_8_0_gets_a_module_and_the_portable_rules_off_9_0() {
+    use crate::config::Module;
+    for (name, dev) in devices() {
+        let expect = if name.starts_with('H') { Arch::Sm90 } else { Arch::Sm80 };
+        assert_eq!(dev.arch, expect, "{name}");
+    }
+    assert_eq!(Module::for_device((9, 0)), Some(Module::Hopper));
+    for cc in [(8, 0), (8, 6), (8, 7), (8, 9), (10, 0), (10, 3), (12, 0), (12, 1)] {
+        assert_eq!(Module::for_device(cc), Some(Module::Portable), "{cc:?}");
+        assert_eq!(Device::new(cc, 100, 50 << 20, 101_376).arch, Arch::Sm80, "{cc:?}");
+    }
+    for cc in [(7, 5), (7, 0), (6, 1)] {
+        assert_eq!(Module::for_device(cc), None, "{cc:?}");
+    }
+    // A Blackwell data-centre part (sm_100: 227 KiB per block) runs the portable rules with
+    // every ranked config fitting; a consumer one (sm_120) with 99 KiB.
+    let b200 = Device::new((10, 0), 148, 126 << 20, 232_448);
+    let p = Problem::new(8192, 32000, 4096);
+    for f in Family::ALL {
+        let s = shortlist(f, p, &b200);
+        assert!(s.as_slice().iter().all(|c| c.mainloop == Mainloop::MmaSync && b200.fits(*c)), "{f:?}");
+        assert_eq!(s.pick(), sm80::ranking(f, p.t)[0], "{f:?}");
+    }
+}
+
+#[test]
+fn every_portable_candidate_fits_the_register_file() {
+    for f in Family::ALL {
+        for &c in f.candidates().iter().filter(|c| c.mainloop == Mainloop::MmaSync) {
+            assert!(sm80::fits_registers(c), "{f:?} {c:?}");
+            assert!(c.threads() * sm80::MAX_REGISTERS_PER_THREAD <= sm80::REGISTERS_PER_BLOCK, "{f:?} {c:?}: {} threads", c.threads());
+        }
+    }
+    // The rules drop a block the register file cannot hold (none of today's candidates).
+    for (_, dev) in devices() {
+        for f in Family::ALL {
+            let p = Problem::new(4096, 32000, 4096);
+            assert!(sm80::shortlist(f, p, &dev).as_slice().iter().all(|&c| sm80::fits_registers(c)), "{f:?}");
+        }
+    }
+}
+
+#[test]
 fn measured_splits_apply_where_they_were_measured() {
     let at = |t, v, d| measured_splits_of(Problem::new(t, v, d));
     // d = 4096: above 65536 tokens, with ≥ 500 vocab tiles (v > 127744).
