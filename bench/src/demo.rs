@@ -30,7 +30,7 @@ fn gpu_demo(head: &LmHead) -> Result<(), String> {
     let t0 = Instant::now();
     let x = FwdInputs { h: &h, w: &w, labels: &labels, problem: p };
     let rep = head
-        .forward(&stream, &x, &FwdOptions::default(), FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) })
+        .forward(&stream, &x, &FwdOptions::default(), FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) })
         .map_err(e)?;
     stream.synchronize().unwrap();
     println!(
@@ -41,7 +41,7 @@ fn gpu_demo(head: &LmHead) -> Result<(), String> {
     let gl = lmhead::testing::upload(&stream, &vec![1.0f32; t]).map_err(e)?;
     let mut dh: CudaSlice<bf16> = stream.alloc_zeros(t * d).unwrap();
     let mut dw: CudaSlice<bf16> = stream.alloc_zeros(v * d).unwrap();
-    let bx = BwdInputs {
+    let bx = BwdInputs { kept: None,
         h: &h,
         w: &w,
         labels: &labels,

@@ -43,6 +43,7 @@ macro_rules! internal_mod {
 }
 
 pub mod active;
+pub mod keep;
 mod borrowed;
 mod bwd;
 mod capture;
@@ -267,13 +268,13 @@ impl LmHead {
                 &stream,
                 &x,
                 &FwdOptions::default(),
-                FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: entropy.then_some(&mut ent) },
+                FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: entropy.then_some(&mut ent) },
             )?;
             if backward {
                 let g = testing::upload(&stream, &vec![1.0f32; t])?;
                 let mut dh = workspace::zeros::<bf16>(&stream, t * d, "warm-up dh")?;
                 let mut dw = workspace::zeros::<bf16>(&stream, v * d, "warm-up dW")?;
-                let bx = BwdInputs {
+                let bx = BwdInputs { kept: None,
                     h: &h,
                     w: &w,
                     labels: &labels,

@@ -31,7 +31,7 @@ fn sanitizer_every_kernel_at_tail_shapes() {
             let mut ent: CudaSlice<f32> = stream.alloc_zeros(t).unwrap();
             let e = (fam == Family::FwdEnt).then_some(&mut ent);
             let x = FwdInputs { h: &s.h, w: &s.w, labels: &s.labels, problem: Problem::new(t, v, d) };
-            head.forward(&stream, &x, &o, FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: e.map(|e| e as _) }).unwrap();
+            head.forward(&stream, &x, &o, FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: e.map(|e| e as _) }).unwrap();
         }
     }
     // Backward: every d-logits candidate (with entropy) and every GEMM candidate, bf16 and f32.
@@ -40,7 +40,7 @@ fn sanitizer_every_kernel_at_tail_shapes() {
         let lse = upload(&stream, &vec![3.0f32; t]).unwrap();
         let ent = upload(&stream, &vec![1.0f32; t]).unwrap();
         let g = upload(&stream, &vec![1.0f32; t]).unwrap();
-        let bx = BwdInputs {
+        let bx = BwdInputs { kept: None,
             h: &s.h,
             w: &s.w,
             labels: &s.labels,
@@ -93,12 +93,12 @@ fn sanitizer_every_kernel_at_tail_shapes() {
                 let mut ent: CudaSlice<f32> = stream.alloc_zeros(t).unwrap();
                 let x = FwdInputs { h: &h, w: &w, labels: &labels, problem: p };
                 let o = FwdOptions { config: Choice::Fallback, ..Default::default() };
-                head.forward_tp(comm, &stream, &x, shard, &o, FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) })
+                head.forward_tp(comm, &stream, &x, shard, &o, FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) })
                     .unwrap();
                 let g = upload(&stream, &vec![1.0f32; t]).unwrap();
                 let mut dh: CudaSlice<bf16> = stream.alloc_zeros(t * d).unwrap();
                 let mut dw: CudaSlice<bf16> = stream.alloc_zeros(len * d).unwrap();
-                let bx = BwdInputs {
+                let bx = BwdInputs { kept: None,
                     h: &h,
                     w: &w,
                     labels: &labels,
@@ -164,17 +164,17 @@ fn compaction_at_tail_shapes(head: &LmHead, stream: &Arc<CudaStream>) {
     let outs = |n: usize| -> Vec<CudaSlice<f32>> { (0..3).map(|_| stream.alloc_zeros(n).unwrap()).collect() };
     let mut o = outs(t);
     let [lp, lse, ent] = &mut o[..] else { unreachable!() };
-    head.forward(stream, &FwdInputs { h: &s.h, w: &s.w, labels: &l32, problem: p }, &fo, FwdOutputs { logprob: lp, lse, entropy: None })
+    head.forward(stream, &FwdInputs { h: &s.h, w: &s.w, labels: &l32, problem: p }, &fo, FwdOutputs { kept: None, logprob: lp, lse, entropy: None })
         .unwrap();
     let r = head.forward(
         stream,
         &FwdInputs { h: &s.h, w: &s.w, labels: &l64, problem: p },
         &fo,
-        FwdOutputs { logprob: lp, lse, entropy: Some(ent) },
+        FwdOutputs { kept: None, logprob: lp, lse, entropy: Some(ent) },
     );
     assert!(r.unwrap().rows < t, "the forward compacted");
     let g = upload(stream, &vec![1.0f32; t]).unwrap();
-    let bx = BwdInputs {
+    let bx = BwdInputs { kept: None,
         h: &s.h,
         w: &s.w,
         labels: &l32,
@@ -191,7 +191,7 @@ fn compaction_at_tail_shapes(head: &LmHead, stream: &Arc<CudaStream>) {
     let mut dh32: CudaSlice<f32> = stream.alloc_zeros(t * d + 2).unwrap();
     let mut dw32: CudaSlice<f32> = stream.alloc_zeros(v * d).unwrap();
     let mut dh_view = dh32.slice_mut(2..);
-    let bx = BwdInputs {
+    let bx = BwdInputs { kept: None,
         h: &s.h,
         w: &s.w,
         labels: &l64,
@@ -219,9 +219,9 @@ fn compaction_at_tail_shapes(head: &LmHead, stream: &Arc<CudaStream>) {
                 let [lp, lse, ent] = &mut o[..] else { unreachable!() };
                 let x = FwdInputs { h: &h, w: &w, labels: &lab, problem: p };
                 let fo = FwdOptions { config: Choice::Fallback, compaction: Compaction::Always, ..Default::default() };
-                head.forward_tp(comm, &stream, &x, shard, &fo, FwdOutputs { logprob: lp, lse, entropy: Some(ent) }).unwrap();
+                head.forward_tp(comm, &stream, &x, shard, &fo, FwdOutputs { kept: None, logprob: lp, lse, entropy: Some(ent) }).unwrap();
                 let g = upload(&stream, &vec![1.0f32; t]).unwrap();
-                let bx = BwdInputs {
+                let bx = BwdInputs { kept: None,
                     h: &h,
                     w: &w,
                     labels: &lab,
@@ -275,12 +275,12 @@ fn tuning_never_touches_caller_buffers_and_agrees_with_fallback() {
     let p = Problem::new(t, v, d);
     let x = FwdInputs { h: &s.h, w: &s.w, labels: &s.labels, problem: p };
     let r =
-        head.forward(&stream, &x, &FwdOptions::default(), FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) }).unwrap();
+        head.forward(&stream, &x, &FwdOptions::default(), FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) }).unwrap();
     assert_eq!(head.tuner().entries().len(), tuned, "a call in a warmed-up bucket must not retune");
     let (mut lp2, mut lse2, mut ent2): (CudaSlice<f32>, CudaSlice<f32>, CudaSlice<f32>) =
         (stream.alloc_zeros(t).unwrap(), stream.alloc_zeros(t).unwrap(), stream.alloc_zeros(t).unwrap());
     let fb = FwdOptions { config: Choice::Fallback, ..Default::default() };
-    head.forward(&stream, &x, &fb, FwdOutputs { logprob: &mut lp2, lse: &mut lse2, entropy: Some(&mut ent2) }).unwrap();
+    head.forward(&stream, &x, &fb, FwdOutputs { kept: None, logprob: &mut lp2, lse: &mut lse2, entropy: Some(&mut ent2) }).unwrap();
     let (a, b) = (download_f32(&stream, &lp).unwrap(), download_f32(&stream, &lp2).unwrap());
     let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f64, f64::max);
     assert!(worst < 1e-4, "tuned {:?} vs fallback log-probs differ by {worst}", r.kernel);
@@ -292,7 +292,7 @@ fn tuning_never_touches_caller_buffers_and_agrees_with_fallback() {
     let run = |cfg: BwdConfigs| {
         let mut dh: CudaSlice<f32> = stream.alloc_zeros(t * d).unwrap();
         let mut dw: CudaSlice<f32> = stream.alloc_zeros(v * d).unwrap();
-        let bx = BwdInputs {
+        let bx = BwdInputs { kept: None,
             h: &s.h,
             w: &s.w,
             labels: &s.labels,

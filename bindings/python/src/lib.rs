@@ -223,7 +223,7 @@ fn fwd_on<L: LabelType>(head: &LmHead, stream: &Arc<CudaStream>, a: &FwdArgs, co
         )
     };
     let x = FwdInputs { h: &h, w: &w, labels: &labels, problem: p };
-    let out = FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: if entropy == 0 { None } else { Some(&mut ent) } };
+    let out = FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: if entropy == 0 { None } else { Some(&mut ent) } };
     match comm {
         None if a.shard == Shard::whole(p.v) => head.forward(stream, &x, &a.opts, out).map(|_| ()),
         None => head.forward_tp(&NoComm, stream, &x, a.shard, &a.opts, out).map(|_| ()),
@@ -316,7 +316,7 @@ fn bwd_on<L: LabelType>(head: &LmHead, stream: &Arc<CudaStream>, a: &BwdArgs, co
             Borrowed::<f32>::new(dw, dw_len, stream),
         )
     };
-    let x = BwdInputs {
+    let x = BwdInputs { kept: None,
         h: &h,
         w: &w,
         labels: &labels,

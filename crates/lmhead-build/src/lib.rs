@@ -18,7 +18,7 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use lmhead_core::config::{fixed, kernel_name, Family};
+use lmhead_core::config::fixed;
 
 pub type Result<T> = std::result::Result<T, String>;
 
@@ -154,10 +154,8 @@ cp "$obj" "$out.bc" && : > "$out"
 /// Threads per block of every entry point, from the candidate tables.
 pub fn entry_threads() -> BTreeMap<String, u32> {
     let mut m = BTreeMap::new();
-    for f in Family::ALL {
-        for &c in f.candidates() {
-            m.insert(kernel_name(f, c), c.threads());
-        }
+    for (name, c) in lmhead_core::config::tuned_entries() {
+        m.insert(name, c.threads());
     }
     for name in fixed::ALL {
         m.insert(name.to_string(), fixed::THREADS);
@@ -387,14 +385,7 @@ pub fn resource_table(res: &BTreeMap<String, Resources>) -> (String, Vec<String>
 
 /// Dynamic shared memory of an entry, from its config.
 fn smem_of(name: &str) -> Option<usize> {
-    for f in Family::ALL {
-        for &c in f.candidates() {
-            if kernel_name(f, c) == name {
-                return Some(c.smem_bytes());
-            }
-        }
-    }
-    None
+    lmhead_core::config::tuned_entries().into_iter().find(|(n, _)| n == name).map(|(_, c)| c.smem_bytes())
 }
 
 #[cfg(test)]
