@@ -17,34 +17,38 @@ fn main() {
             // Every (family, mainloop) pair is named here: a new mainloop or family does not
             // compile until it says what each pair builds, and the invalid pairs are refused.
             let (params, call) = match (family, c.mainloop) {
-                (Family::Fwd, MmaSync) => ("LogitsParams", format!("sm80::fwd::<{generics}, false>")),
-                (Family::FwdEnt, MmaSync) => ("LogitsParams", format!("sm80::fwd::<{generics}, true>")),
+                (Family::Fwd, MmaSync) => ("LogitsParams", format!("sm80::fwd::fwd::<{generics}, false>")),
+                (Family::FwdEnt, MmaSync) => ("LogitsParams", format!("sm80::fwd::fwd::<{generics}, true>")),
                 (Family::BwdDlogits, MmaSync) => {
-                    ("LogitsParams", format!("body::dlogits::<sm80::Sm80<{generics}, true, true>, {mi}, {ni}, false>"))
+                    ("LogitsParams", format!("body::dlogits::dlogits::<sm80::Sm80<{generics}, true, true>, {mi}, {ni}, false>"))
                 }
                 (Family::BwdDlogitsEnt, MmaSync) => {
-                    ("LogitsParams", format!("body::dlogits::<sm80::Sm80<{generics}, true, true>, {mi}, {ni}, true>"))
+                    ("LogitsParams", format!("body::dlogits::dlogits::<sm80::Sm80<{generics}, true, true>, {mi}, {ni}, true>"))
                 }
-                (Family::BwdDh, MmaSync) => ("GemmParams", format!("body::gemm::<sm80::Sm80<{generics}, true, false>, {mi}, {ni}>")),
-                (Family::BwdDw, MmaSync) => ("GemmParams", format!("body::gemm::<sm80::Sm80<{generics}, false, false>, {mi}, {ni}>")),
-                (Family::Fwd, Sm90 { store: Store::Registers }) => ("LogitsParams", format!("sm90::fwd_wg::<{wg}, false>")),
-                (Family::FwdEnt, Sm90 { store: Store::Registers }) => ("LogitsParams", format!("sm90::fwd_wg::<{wg}, true>")),
+                (Family::BwdDh, MmaSync) => ("GemmParams", format!("body::gemm::gemm::<sm80::Sm80<{generics}, true, false>, {mi}, {ni}>")),
+                (Family::BwdDw, MmaSync) => ("GemmParams", format!("body::gemm::gemm::<sm80::Sm80<{generics}, false, false>, {mi}, {ni}>")),
+                (Family::Fwd, Sm90 { store: Store::Registers }) => ("LogitsParams", format!("sm90::fwd::fwd_wg::<{wg}, false>")),
+                (Family::FwdEnt, Sm90 { store: Store::Registers }) => ("LogitsParams", format!("sm90::fwd::fwd_wg::<{wg}, true>")),
                 (Family::BwdDlogits, Sm90 { store: Store::Registers }) => {
-                    ("LogitsParams", format!("body::dlogits::<sm90::Sm90<{wg}, false, false>, 1, 8, false>"))
+                    ("LogitsParams", format!("body::dlogits::dlogits::<sm90::Sm90<{wg}, false, false>, 1, 8, false>"))
                 }
                 (Family::BwdDlogitsEnt, Sm90 { store: Store::Registers }) => {
-                    ("LogitsParams", format!("body::dlogits::<sm90::Sm90<{wg}, false, false>, 1, 8, true>"))
+                    ("LogitsParams", format!("body::dlogits::dlogits::<sm90::Sm90<{wg}, false, false>, 1, 8, true>"))
                 }
-                (Family::BwdDlogits, Sm90 { store: Store::Tma }) => ("LogitsParams", format!("sm90::dlogits_tma_store::<{wg}, false>")),
-                (Family::BwdDlogitsEnt, Sm90 { store: Store::Tma }) => ("LogitsParams", format!("sm90::dlogits_tma_store::<{wg}, true>")),
+                (Family::BwdDlogits, Sm90 { store: Store::Tma }) => {
+                    ("LogitsParams", format!("sm90::dlogits::dlogits_tma_store::<{wg}, false>"))
+                }
+                (Family::BwdDlogitsEnt, Sm90 { store: Store::Tma }) => {
+                    ("LogitsParams", format!("sm90::dlogits::dlogits_tma_store::<{wg}, true>"))
+                }
                 // dh: A (staging) K-major, B (`W` chunk) MN-major in place; dW: both in place.
                 (Family::BwdDh, Sm90 { store: Store::Registers }) => {
-                    ("GemmParams", format!("body::gemm::<sm90::Sm90<{wg}, false, true>, 1, 8>"))
+                    ("GemmParams", format!("body::gemm::gemm::<sm90::Sm90<{wg}, false, true>, 1, 8>"))
                 }
                 (Family::BwdDw, Sm90 { store: Store::Registers }) => {
-                    ("GemmParams", format!("body::gemm::<sm90::Sm90<{wg}, true, true>, 1, 8>"))
+                    ("GemmParams", format!("body::gemm::gemm::<sm90::Sm90<{wg}, true, true>, 1, 8>"))
                 }
-                (Family::BwdDh, Sm90 { store: Store::Tma }) => ("GemmParams", format!("sm90::dh_tma_acc::<{wg}>")),
+                (Family::BwdDh, Sm90 { store: Store::Tma }) => ("GemmParams", format!("sm90::gemm::dh_tma_acc::<{wg}>")),
                 (Family::Fwd | Family::FwdEnt | Family::BwdDw, Sm90 { store: Store::Tma }) => {
                     panic!("{family:?} {c:?}: only the d-logits and dh store their tile through TMA")
                 }

@@ -21,7 +21,7 @@
 //! Grids: `ceil(t / ROWS_PER_BLOCK)` blocks of [`THREADS`] threads for the first two; any grid of
 //! `THREADS`-thread blocks for the row maps (they stride over the rows).
 
-use crate::epilogue::lse::load_label;
+use crate::epilogue::labels::load_label;
 use crate::intrinsics::{self, ballot, ld_shared_u32, shfl_xor, smem_base, st_shared_u32, sync_threads_divergent};
 use lmhead_core::compact::{row_of, NO_SLOT, STEPS, THREADS};
 use lmhead_core::params::{CompactParams, RowMapParams, FLAGS_READ, FLAGS_WRITE, LABELS_I64};

@@ -4,7 +4,7 @@
 //! no shared operand reuse: it exists as a second GPU reference and as the first rung to compare
 //! the fast kernels against.
 
-use crate::epilogue::lse::load_label;
+use crate::epilogue::labels::load_label;
 use crate::intrinsics::{self, exp2, log2};
 use lmhead_core::config::fixed::THREADS;
 use lmhead_core::lse::{Lse2, LN_2, LOG2_E};

@@ -7,7 +7,7 @@
 //! contiguous slots `s, z_label` (and `t` when entropy is wanted) are all-reduced with SUM.
 //! Also the label check that runs before a forward.
 
-use crate::epilogue::lse::load_label;
+use crate::epilogue::labels::load_label;
 use crate::intrinsics::{self, exp2, log2};
 use lmhead_core::lse::{Lse2, LN_2};
 use lmhead_core::params::{CastParams, MergeParams, Partial, STATUS_BAD_LABEL};

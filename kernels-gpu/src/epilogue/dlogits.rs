@@ -21,7 +21,7 @@
 //! Columns past the chunk (padding up to the staging stride) are written as zeros, so the GEMMs
 //! can read whole 16-byte chunks there.
 
-use super::lse::{load_label, local_column};
+use super::labels::{load_label, local_column};
 use super::{Acc, WarpPos};
 use crate::intrinsics::{self, exp2, fma};
 use lmhead_core::lse::LOG2_E;

@@ -7,21 +7,19 @@
 //! per warp, so the `Sm90` kernels hand it over as `Acc<1, 8>` per 64-column half. The
 //! epilogues read only this layout:
 //!
-//! - [`lse`]: the forward's online log-sum-exp fold, the block reduction into partials, the
-//!   label helpers;
+//! One file per pass:
+//!
+//! - [`fwd`]: the forward's online log-sum-exp fold and the block reduction into partials;
 //! - [`dlogits`]: the backward d-logits (per-row coefficients, bf16 pairs, the staging store);
-//! - [`gemm`]: the backward GEMMs' store (`C = acc (+ C_acc)`).
+//! - [`gemm`]: the backward GEMMs' store (`C = acc (+ C_acc)`);
+//! - [`labels`]: the label helpers all of them (and the merges) read.
 //!
 //! A new mainloop (an `sm100/` beside the others) produces the same fragments and calls these.
 
 pub mod dlogits;
+pub mod fwd;
 pub mod gemm;
-/// Declared at the crate root as `crate::fwd` (the file is `epilogue/lse.rs`) and re-exported
-/// here. Rust symbol names carry the defining module's path, and the PTX LLVM emits for the
-/// `MmaSync` forward depends on those names: under `crate::epilogue::lse` the ten `MmaSync`
-/// forward entries came out with the same registers but reordered instructions. Keeping the
-/// old path keeps every entry's PTX byte-identical.
-pub use crate::fwd as lse;
+pub mod labels;
 
 use crate::intrinsics;
 

@@ -1,5 +1,5 @@
-//! The `mma.sync` tensor-core mainloop (`MmaSync`) under the three kernels of `sm80/mod.rs`: a
-//! multi-stage `cp.async` ring in shared memory, `ldmatrix` fragment loads and `mma.m16n8k16`
+//! The `mma.sync` tensor-core mainloop (`MmaSync`) under the kernels of `sm80/` (the forward in
+//! `fwd.rs`, the backward bodies through `Sm80` in `mod.rs`): a multi-stage `cp.async` ring in shared memory, `ldmatrix` fragment loads and `mma.m16n8k16`
 //! bf16 → f32.
 //!
 //! GEMM naming: `C[M, N] = Σ_K A · B`. For the logits kernels `T≙M, V≙N, D≙K`: A = `h` (K-major,

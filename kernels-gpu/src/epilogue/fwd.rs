@@ -1,46 +1,14 @@
 //! The forward's epilogue, shared by both mainloops: each finished logits tile folded into
 //! per-row online `(m, s, t)` states and the label's logit ([`fold_tile`]), then the block's
-//! reduction of those states into one [`Partial`] per (split, row) ([`store_partials`]); and the
-//! label helpers the d-logits epilogue, the merges and the naive forward use as well
-//! ([`load_label`], [`local_column`]).
+//! reduction of those states into one [`Partial`] per (split, row) ([`store_partials`]).
 //!
 //! With `ENT = false` the `t` sums are never stored, so their arithmetic is dead code and is
 //! removed: the log-prob-only instance does no entropy work.
-//!
-//! Declared at the crate root as `fwd` and re-exported as `epilogue::lse` (see `epilogue/mod.rs`).
 
 use crate::epilogue::{Acc, WarpPos};
 use crate::intrinsics::{self, exp2, fma, max_nan};
 use lmhead_core::lse::Lse2;
-use lmhead_core::params::{LogitsParams, Partial, LABELS_I64};
-
-/// The label of row `row` (global vocab id, or `ignore_index`).
-///
-/// # Safety
-/// `labels` holds more than `row` labels of kind `kind` ([`LABELS_I32`](lmhead_core::params::LABELS_I32)
-/// or [`LABELS_I64`]).
-#[inline(always)]
-pub unsafe fn load_label(labels: u64, kind: u32, row: u32) -> i64 {
-    // SAFETY: the caller guarantees `row` is inside `labels`.
-    unsafe {
-        if kind == LABELS_I64 {
-            *(labels as *const i64).add(row as usize)
-        } else {
-            *(labels as *const i32).add(row as usize) as i64
-        }
-    }
-}
-
-/// Local column (in `[0, v)`) of `label`, or −1 when it is `ignore_index` or outside this shard.
-#[inline(always)]
-pub fn local_column(p: &LogitsParams, label: i64) -> i32 {
-    let local = label.wrapping_sub(p.v_begin);
-    if label == p.ignore_index || local < 0 || local >= p.v as i64 {
-        -1
-    } else {
-        local as i32
-    }
-}
+use lmhead_core::params::{LogitsParams, Partial};
 
 /// The block's final reduction: merge the row states of the four lanes that share a row (quad
 /// shuffles), then of the `WN` warps along N (through shared memory), and write one partial per
