@@ -230,7 +230,8 @@ fn bwd_on<L: LabelType>(
     let w = upload_bf16(stream, &x.case.w).unwrap();
     let f = |v: Option<&[f32]>| v.map(|v| upload(stream, v).unwrap());
     let (lse, ent, gl, ge) = (upload(stream, x.lse).unwrap(), f(x.ent), f(x.gl), f(x.ge));
-    let bx = BwdInputs { kept: None,
+    let bx = BwdInputs {
+        kept: None,
         h: &h,
         w: &w,
         labels,
@@ -392,7 +393,8 @@ fn tp_rank(
     let (mut dh, mut dw): (CudaSlice<f32>, CudaSlice<f32>) = (stream.alloc_zeros(t * d).unwrap(), stream.alloc_zeros(p.v * d).unwrap());
     poison(stream, &mut dh).unwrap();
     poison(stream, &mut dw).unwrap();
-    let bx = BwdInputs { kept: None,
+    let bx = BwdInputs {
+        kept: None,
         h: &h,
         w: &w,
         labels: &lab,

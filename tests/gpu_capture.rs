@@ -125,7 +125,8 @@ impl Bufs {
             fo,
             FwdOutputs { kept: None, logprob: &mut self.lp, lse: &mut self.lse, entropy: Some(&mut self.ent) },
         )?;
-        let x = BwdInputs { kept: None,
+        let x = BwdInputs {
+            kept: None,
             h: &self.h,
             w: &self.w,
             labels: &self.labels,

@@ -76,7 +76,8 @@ fn run_rank(
     let mut dw: CudaSlice<f32> = stream.alloc_zeros(v * d).unwrap();
     poison(stream, &mut dh).unwrap();
     poison(stream, &mut dw).unwrap();
-    let bx = BwdInputs { kept: None,
+    let bx = BwdInputs {
+        kept: None,
         h: &h,
         w: &w,
         labels: &labels,

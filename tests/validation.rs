@@ -290,7 +290,7 @@ fn cpu_tensor_parallel_matches_unsharded() {
     let ent = whole.entropy.clone().unwrap();
     let (dh, dw) = cpu::backward(
         &cpu::CpuInputs { h: &h, w: &w, labels: &case.labels, problem: Problem::new(t, v, d) },
-        &cpu::CpuGrads { lse: &whole.lse, entropy: Some(&ent), grad_logprob: Some(&g), grad_entropy: Some(&ge) },
+        &cpu::CpuGrads { lse: &whole.lse, entropy: Some(&ent), grad_logprob: Some(&g), grad_entropy: Some(&ge), kept: None },
         &bo,
     )
     .unwrap();
@@ -311,7 +311,7 @@ fn cpu_tensor_parallel_matches_unsharded() {
                         &comm,
                         &cpu::CpuInputs { h, w: ws, labels, problem: p },
                         shard,
-                        &cpu::CpuGrads { lse: &f.lse, entropy: Some(&e), grad_logprob: Some(g), grad_entropy: Some(ge) },
+                        &cpu::CpuGrads { lse: &f.lse, entropy: Some(&e), grad_logprob: Some(g), grad_entropy: Some(ge), kept: None },
                         bo,
                         true,
                     )
@@ -334,4 +334,51 @@ fn cpu_tensor_parallel_matches_unsharded() {
         close(dh_r, &dh, "dh");
         close(dw_r, &dw[v0 * d..(v0 + vl) * d], "dW shard");
     }
+}
+
+/// The CPU backend's kept-logits mode: the budget keeps the rows `keep::rows` says (all, whole
+/// 128-row tiles, none), the kept values are the raw dot products, and the backward with them
+/// gives exactly the backward without them; a bad kept argument is the GPU's typed error.
+#[test]
+fn cpu_keeps_the_rows_the_budget_says_and_checks_them_as_the_gpu_does() {
+    let s = lmhead_reference::Structure { ignored: 0.1, ..Default::default() };
+    let case = lmhead_reference::Case::generate(13, 300, 61, 16, &s);
+    let (t, v, d) = (case.t, case.v, case.d);
+    let h: Vec<bf16> = case.h.iter().map(|&b| bf16::from_bits(b)).collect();
+    let w: Vec<bf16> = case.w.iter().map(|&b| bf16::from_bits(b)).collect();
+    let x = cpu::CpuInputs { h: &h, w: &w, labels: &case.labels, problem: Problem::new(t, v, d) };
+    let stride = lmhead::keep::stride(v);
+    let row_bytes = 4 * stride;
+    for (budget, rows) in [(0, 0), (row_bytes * 127, 0), (row_bytes * 200, 128), (row_bytes * 299, 256), (usize::MAX, t)] {
+        let fo = FwdOptions { keep_logits: budget, temperature: case.temperature as f32, ..Default::default() };
+        let f = cpu::forward(&x, &fo, true).unwrap();
+        assert_eq!(f.kept_rows, rows, "budget {budget}");
+        assert_eq!(f.kept.len(), rows * stride);
+        let off = cpu::forward(&x, &FwdOptions { keep_logits: 0, ..fo.clone() }, true).unwrap();
+        assert_eq!((&f.logprob, &f.lse, &f.entropy), (&off.logprob, &off.lse, &off.entropy), "outputs unchanged");
+        if rows > 0 {
+            let (r, j) = (rows - 1, v / 2);
+            let dot: f64 = (0..d).map(|k| h[r * d + k].to_f64() * w[j * d + k].to_f64()).sum();
+            assert_eq!(f.kept[r * stride + j], dot as f32);
+        }
+        let g: Vec<f32> = (0..t).map(|i| 1.0 - (i % 3) as f32).collect();
+        let bo = BwdOptions { temperature: case.temperature as f32, ..Default::default() };
+        let grads =
+            cpu::CpuGrads { lse: &f.lse, entropy: f.entropy.as_deref(), grad_logprob: Some(&g), grad_entropy: Some(&g), kept: None };
+        let plain = cpu::backward(&x, &grads, &bo).unwrap();
+        let kept = cpu::backward(&x, &cpu::CpuGrads { kept: Some((&f.kept, rows)), ..grads }, &bo).unwrap();
+        assert_eq!(plain, kept);
+    }
+    let f = cpu::forward(&x, &FwdOptions { keep_logits: usize::MAX, ..Default::default() }, false).unwrap();
+    let grads = cpu::CpuGrads { lse: &f.lse, entropy: None, grad_logprob: Some(&f.lse), grad_entropy: None, kept: None };
+    let bo = BwdOptions::default();
+    let bad = |k: &[f32], rows: usize| cpu::backward(&x, &cpu::CpuGrads { kept: Some((k, rows)), ..grads }, &bo);
+    assert!(matches!(bad(&f.kept[..f.kept.len() - 1], t), Err(Error::Length { what: "kept logits", .. })));
+    assert!(matches!(bad(&f.kept, t + 1), Err(Error::Invalid(_))));
+    assert!(matches!(bad(&f.kept, 200), Err(Error::Invalid(_))));
+    bad(&f.kept, 256).unwrap();
+    assert!(matches!(
+        cpu::forward(&x, &FwdOptions { keep_logits: usize::MAX, naive: true, ..Default::default() }, false),
+        Err(Error::Invalid(_))
+    ));
 }

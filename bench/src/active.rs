@@ -154,7 +154,8 @@ fn run_op(
         }
         Op::Step(way) => {
             head.forward(stream, &x, &fo, FwdOutputs { kept: None, logprob: &mut b.lp, lse: &mut b.lse, entropy: Some(&mut b.ent) })?;
-            let bx = BwdInputs { kept: None,
+            let bx = BwdInputs {
+                kept: None,
                 h: &b.h,
                 w,
                 labels: &b.labels,

@@ -67,7 +67,8 @@ fn probe(head: &LmHead, stream: &Arc<CudaStream>, args: &Args, (t, v, d): (usize
     let fo = FwdOptions { check_labels: LabelCheck::Off, ..Default::default() };
     head.forward(stream, &x, &fo, FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) })?;
     let (lse_s, ent_s) = (lse.clone(), ent.clone());
-    let bx = BwdInputs { kept: None,
+    let bx = BwdInputs {
+        kept: None,
         h: &h,
         w: &w,
         labels: &labels,

@@ -206,7 +206,8 @@ pub fn timed_step(head: &LmHead, stream: &Arc<CudaStream>, t: usize, v: usize, d
         FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) },
     )
     .unwrap();
-    let bx = BwdInputs { kept: None,
+    let bx = BwdInputs {
+        kept: None,
         h: &h,
         w: &w,
         labels: &lab,

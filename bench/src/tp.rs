@@ -176,7 +176,8 @@ fn run_rank(head: &LmHead, stream: &Arc<CudaStream>, r: &Rank, pb: &Problem0<'_>
                 if op == Op::FwdEnt {
                     return Ok(());
                 }
-                let bx = BwdInputs { kept: None,
+                let bx = BwdInputs {
+                    kept: None,
                     h: &h,
                     w: &w,
                     labels: &lab,

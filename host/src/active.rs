@@ -309,7 +309,8 @@ fn count_prefix(
     let labels = rows.labels.rows(prefix)?;
     let gl = rows.grad_logprob.map(|g| g.sub(0, prefix, 4)).transpose()?;
     let ge = rows.grad_entropy.map(|g| g.sub(0, prefix, 4)).transpose()?;
-    let r = ActiveRows { t: prefix, labels: &labels, ignore_index: rows.ignore_index, grad_logprob: gl.as_ref(), grad_entropy: ge.as_ref() };
+    let r =
+        ActiveRows { t: prefix, labels: &labels, ignore_index: rows.ignore_index, grad_logprob: gl.as_ref(), grad_entropy: ge.as_ref() };
     if union {
         let all = dev_in(act.flags.get(src, stream, rows.t)?, stream, "active-row flags")?;
         let flags = all.sub(0, prefix, 4)?;
@@ -434,7 +435,16 @@ pub(crate) fn backward(
         }
         let words = stream.clone_dtoh(&*status).during(|| "reading the active-row count".into())?;
         let n = words[0] as usize;
-        (n, if kept >= p.t { n } else if kept == 0 { 0 } else { words[1] as usize })
+        (
+            n,
+            if kept >= p.t {
+                n
+            } else if kept == 0 {
+                0
+            } else {
+                words[1] as usize
+            },
+        )
     };
     let dh_bytes = if dh.f32 { 4 } else { 2 };
     match plan_for(opts.compaction, Pass::Backward { dh_bytes }, p.t, n, model_v(p.v, v_total, reduce_dh), p.d) {
@@ -597,7 +607,7 @@ mod tests {
         let zero = |i: usize| i % 3 == 1;
         let gl: Vec<f32> = (0..t).map(|i| if zero(i) { 0.0 } else { rng.normal() as f32 }).collect();
         let ge: Vec<f32> = (0..t).map(|i| if zero(i) { 0.0 } else { rng.normal() as f32 }).collect();
-        let g = CpuGrads { lse: &f.lse, entropy: f.entropy.as_deref(), grad_logprob: Some(&gl), grad_entropy: Some(&ge) };
+        let g = CpuGrads { lse: &f.lse, entropy: f.entropy.as_deref(), grad_logprob: Some(&gl), grad_entropy: Some(&ge), kept: None };
         let (dh, dw) = cpu::backward(&x, &g, &BwdOptions::default()).unwrap();
         let ignored: Vec<i64> = (0..t).map(|i| if zero(i) { lmhead_reference::IGNORE_INDEX } else { case.labels[i] }).collect();
         let gl2: Vec<f32> = (0..t).map(|i| if zero(i) { 1.0 } else { gl[i] }).collect();

@@ -43,11 +43,11 @@ macro_rules! internal_mod {
 }
 
 pub mod active;
-pub mod keep;
 mod borrowed;
 mod bwd;
 mod capture;
 pub mod cpu;
+pub mod keep;
 // `Gpu`'s helpers for the tests (registers, loaded kernels) are used only with `testing`.
 #[cfg_attr(not(feature = "testing"), allow(dead_code))]
 mod device;
@@ -274,7 +274,8 @@ impl LmHead {
                 let g = testing::upload(&stream, &vec![1.0f32; t])?;
                 let mut dh = workspace::zeros::<bf16>(&stream, t * d, "warm-up dh")?;
                 let mut dw = workspace::zeros::<bf16>(&stream, v * d, "warm-up dW")?;
-                let bx = BwdInputs { kept: None,
+                let bx = BwdInputs {
+                    kept: None,
                     h: &h,
                     w: &w,
                     labels: &labels,

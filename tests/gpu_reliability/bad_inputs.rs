@@ -69,7 +69,8 @@ fn bad_inputs_are_typed_errors_and_leave_buffers_untouched() {
     let mut dh: CudaSlice<bf16> = stream.alloc_zeros(t * d).unwrap();
     let mut dw: CudaSlice<bf16> = stream.alloc_zeros(v * d).unwrap();
     poison(&stream, &mut dh).unwrap();
-    let bx = BwdInputs { kept: None,
+    let bx = BwdInputs {
+        kept: None,
         h: &s.h,
         w: &s.w,
         labels: &s.labels,
@@ -171,7 +172,12 @@ fn cold_cache_bad_inputs_are_refused_before_tuning() {
         for b in [&mut *lp, &mut *lse, &mut *ent] {
             poison(&stream, b).unwrap();
         }
-        let r = head.forward(&stream, &FwdInputs { h, w, labels: l, problem: p }, o, FwdOutputs { kept: None, logprob: lp, lse, entropy: Some(ent) });
+        let r = head.forward(
+            &stream,
+            &FwdInputs { h, w, labels: l, problem: p },
+            o,
+            FwdOutputs { kept: None, logprob: lp, lse, entropy: Some(ent) },
+        );
         let written = [&*lp, &*lse, &*ent].iter().any(|b| !untouched(&download_f32(&stream, b).unwrap()));
         (r, written)
     };
@@ -258,7 +264,8 @@ fn cold_cache_bad_inputs_are_refused_before_tuning() {
     let lse_d = upload(&stream, &vec![1.0f32; t]).unwrap();
     let g = upload(&stream, &vec![1.0f32; t]).unwrap();
     let g_short = upload(&stream, &vec![1.0f32; t - 1]).unwrap();
-    let bx = BwdInputs { kept: None,
+    let bx = BwdInputs {
+        kept: None,
         h: &s.h,
         w: &s.w,
         labels: &s.labels,
@@ -298,7 +305,9 @@ fn cold_cache_bad_inputs_are_refused_before_tuning() {
     check_b("h", run(&BwdInputs { kept: None, h: &h_short, ..bx }, &bo, full), |e| matches!(e, Error::Length { what: "h", .. }));
     check_b("h align", run(&BwdInputs { kept: None, h: &h_off, ..bx }, &bo, full), |e| matches!(e, Error::Misaligned { what: "h", .. }));
     check_b("W", run(&BwdInputs { kept: None, w: &w_short, ..bx }, &bo, full), |e| matches!(e, Error::Length { what: "W", .. }));
-    check_b("labels", run(&BwdInputs { kept: None, labels: &l_short, ..bx }, &bo, full), |e| matches!(e, Error::Length { what: "labels", .. }));
+    check_b("labels", run(&BwdInputs { kept: None, labels: &l_short, ..bx }, &bo, full), |e| {
+        matches!(e, Error::Length { what: "labels", .. })
+    });
     check_b("lse", run(&BwdInputs { kept: None, lse: &g_short, ..bx }, &bo, full), |e| matches!(e, Error::Length { what: "lse", .. }));
     check_b("entropy", run(&BwdInputs { kept: None, entropy: Some(&g_short), ..bx }, &bo, full), |e| {
         matches!(e, Error::Length { what: "entropy", .. })

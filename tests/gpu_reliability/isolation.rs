@@ -40,7 +40,8 @@ fn sanitizer_every_kernel_at_tail_shapes() {
         let lse = upload(&stream, &vec![3.0f32; t]).unwrap();
         let ent = upload(&stream, &vec![1.0f32; t]).unwrap();
         let g = upload(&stream, &vec![1.0f32; t]).unwrap();
-        let bx = BwdInputs { kept: None,
+        let bx = BwdInputs {
+            kept: None,
             h: &s.h,
             w: &s.w,
             labels: &s.labels,
@@ -93,12 +94,20 @@ fn sanitizer_every_kernel_at_tail_shapes() {
                 let mut ent: CudaSlice<f32> = stream.alloc_zeros(t).unwrap();
                 let x = FwdInputs { h: &h, w: &w, labels: &labels, problem: p };
                 let o = FwdOptions { config: Choice::Fallback, ..Default::default() };
-                head.forward_tp(comm, &stream, &x, shard, &o, FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) })
-                    .unwrap();
+                head.forward_tp(
+                    comm,
+                    &stream,
+                    &x,
+                    shard,
+                    &o,
+                    FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) },
+                )
+                .unwrap();
                 let g = upload(&stream, &vec![1.0f32; t]).unwrap();
                 let mut dh: CudaSlice<bf16> = stream.alloc_zeros(t * d).unwrap();
                 let mut dw: CudaSlice<bf16> = stream.alloc_zeros(len * d).unwrap();
-                let bx = BwdInputs { kept: None,
+                let bx = BwdInputs {
+                    kept: None,
                     h: &h,
                     w: &w,
                     labels: &labels,
@@ -164,8 +173,13 @@ fn compaction_at_tail_shapes(head: &LmHead, stream: &Arc<CudaStream>) {
     let outs = |n: usize| -> Vec<CudaSlice<f32>> { (0..3).map(|_| stream.alloc_zeros(n).unwrap()).collect() };
     let mut o = outs(t);
     let [lp, lse, ent] = &mut o[..] else { unreachable!() };
-    head.forward(stream, &FwdInputs { h: &s.h, w: &s.w, labels: &l32, problem: p }, &fo, FwdOutputs { kept: None, logprob: lp, lse, entropy: None })
-        .unwrap();
+    head.forward(
+        stream,
+        &FwdInputs { h: &s.h, w: &s.w, labels: &l32, problem: p },
+        &fo,
+        FwdOutputs { kept: None, logprob: lp, lse, entropy: None },
+    )
+    .unwrap();
     let r = head.forward(
         stream,
         &FwdInputs { h: &s.h, w: &s.w, labels: &l64, problem: p },
@@ -174,7 +188,8 @@ fn compaction_at_tail_shapes(head: &LmHead, stream: &Arc<CudaStream>) {
     );
     assert!(r.unwrap().rows < t, "the forward compacted");
     let g = upload(stream, &vec![1.0f32; t]).unwrap();
-    let bx = BwdInputs { kept: None,
+    let bx = BwdInputs {
+        kept: None,
         h: &s.h,
         w: &s.w,
         labels: &l32,
@@ -191,7 +206,8 @@ fn compaction_at_tail_shapes(head: &LmHead, stream: &Arc<CudaStream>) {
     let mut dh32: CudaSlice<f32> = stream.alloc_zeros(t * d + 2).unwrap();
     let mut dw32: CudaSlice<f32> = stream.alloc_zeros(v * d).unwrap();
     let mut dh_view = dh32.slice_mut(2..);
-    let bx = BwdInputs { kept: None,
+    let bx = BwdInputs {
+        kept: None,
         h: &s.h,
         w: &s.w,
         labels: &l64,
@@ -221,7 +237,8 @@ fn compaction_at_tail_shapes(head: &LmHead, stream: &Arc<CudaStream>) {
                 let fo = FwdOptions { config: Choice::Fallback, compaction: Compaction::Always, ..Default::default() };
                 head.forward_tp(comm, &stream, &x, shard, &fo, FwdOutputs { kept: None, logprob: lp, lse, entropy: Some(ent) }).unwrap();
                 let g = upload(&stream, &vec![1.0f32; t]).unwrap();
-                let bx = BwdInputs { kept: None,
+                let bx = BwdInputs {
+                    kept: None,
                     h: &h,
                     w: &w,
                     labels: &lab,
@@ -274,8 +291,9 @@ fn tuning_never_touches_caller_buffers_and_agrees_with_fallback() {
     // The tuned call: no retuning, and the fallback's answer.
     let p = Problem::new(t, v, d);
     let x = FwdInputs { h: &s.h, w: &s.w, labels: &s.labels, problem: p };
-    let r =
-        head.forward(&stream, &x, &FwdOptions::default(), FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) }).unwrap();
+    let r = head
+        .forward(&stream, &x, &FwdOptions::default(), FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) })
+        .unwrap();
     assert_eq!(head.tuner().entries().len(), tuned, "a call in a warmed-up bucket must not retune");
     let (mut lp2, mut lse2, mut ent2): (CudaSlice<f32>, CudaSlice<f32>, CudaSlice<f32>) =
         (stream.alloc_zeros(t).unwrap(), stream.alloc_zeros(t).unwrap(), stream.alloc_zeros(t).unwrap());
@@ -292,7 +310,8 @@ fn tuning_never_touches_caller_buffers_and_agrees_with_fallback() {
     let run = |cfg: BwdConfigs| {
         let mut dh: CudaSlice<f32> = stream.alloc_zeros(t * d).unwrap();
         let mut dw: CudaSlice<f32> = stream.alloc_zeros(v * d).unwrap();
-        let bx = BwdInputs { kept: None,
+        let bx = BwdInputs {
+            kept: None,
             h: &s.h,
             w: &s.w,
             labels: &s.labels,

@@ -499,7 +499,7 @@ fn cpu_backward(py: Python<'_>, bufs: BwdBufs, sc: Scalars, reduce_dh: bool, com
         }
         let (ent, gl, ge) = (some(entropy, ent), some(grad_logprob, gl), some(grad_entropy, ge));
         let x = CpuInputs { h: hs, w: ws, labels: ls, problem: p };
-        let g = CpuGrads { lse: lse_s, entropy: ent, grad_logprob: gl, grad_entropy: ge };
+        let g = CpuGrads { lse: lse_s, entropy: ent, grad_logprob: gl, grad_entropy: ge, kept: None };
         let (dhv, dwv) = match &hc {
             None if shard == Shard::whole(p.v) => lmhead::cpu::backward(&x, &g, &opts)?,
             None => lmhead::cpu::backward_tp(&SingleHost, &x, shard, &g, &opts, false)?,
