@@ -335,7 +335,7 @@ impl LmHead {
                 match (&x.kept, &rest) {
                     (None, _) => launch::bwd_dlogits(&self.gpu, stream, cfg_dl, &x.x, ch, &x.g, &staging)?,
                     (Some((k, n)), rest) => {
-                        launch::bwd_dlogits_kept(&self.gpu, stream, &x.x, ch, &x.g, k, *n, &staging)?;
+                        launch::bwd_dlogits_kept(&self.gpu, stream, &x.x, ch, &x.g, (k, *n), &staging)?;
                         if let Some(r) = rest {
                             r.dlogits(&self.gpu, stream, cfg_dl, x, ch)?;
                         }

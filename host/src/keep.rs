@@ -89,7 +89,7 @@ mod tests {
         assert_eq!(rows(100, v, 100 * row), 100, "a call smaller than a tile is kept whole");
         for b in [0, row, 300 * row, 777 * row + 5, usize::MAX] {
             let r = rows(t, v, b);
-            assert!(r == t || r % ROW_ALIGN == 0);
+            assert!(r == t || r.is_multiple_of(ROW_ALIGN));
             assert!(len(t, v, b) * 4 <= b);
         }
     }

@@ -78,7 +78,7 @@ impl KeptOut<'_, '_> {
     /// The kept fields of a launch over `t` rows: the buffer holds `rows · stride` elements
     /// (16-byte aligned), the map `t` rows.
     fn fill(&self, t: usize, v: usize, p: &mut LogitsParams) -> Result<()> {
-        if self.stride % 8 != 0 || self.stride < v || self.rows > u32::MAX as usize || self.rows == 0 {
+        if !self.stride.is_multiple_of(8) || self.stride < v || self.rows > u32::MAX as usize || self.rows == 0 {
             return Err(Error::Config(format!("kept logits: {} rows of stride {} for v = {v}", self.rows, self.stride)));
         }
         p.kept = self.buf.check(self.rows * self.stride, 16)?;
@@ -264,8 +264,7 @@ pub fn bwd_dlogits_kept(
     x: &LogitsIn,
     chunk: Chunk,
     g: &DlogitsIn,
-    kept: &KeptOut,
-    prefix: usize,
+    (kept, prefix): (&KeptOut, usize),
     staging: &Dev,
 ) -> Result<()> {
     let (dims, sc, labels) = (x.dims, x.sc, x.labels);
