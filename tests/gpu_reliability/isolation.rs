@@ -75,6 +75,45 @@ fn sanitizer_every_kernel_at_tail_shapes() {
             bwd(cfg, c.bm as usize + 1, 4 * c.bk as usize + 6, c.bn as usize + 8, c.bk as usize + 3, false);
         }
     }
+    // Kept logits (`lmhead::keep`): every forward candidate's `_keep` twin at a tail shape with
+    // a partial budget (256 of 300 rows) and compacted ignored rows, then the backward reading
+    // them (the kept kernel's vector loads at chunk starts that are multiples of 8, its scalar
+    // loads at starts that are not, the rest of the rows recomputed).
+    for (i, &c) in Family::FwdEnt.candidates().iter().enumerate() {
+        let (t, v, d) = (300, 2 * c.bn as usize + 3, c.bk as usize + 8);
+        let mut s = setup(&stream, t, v, d, 3);
+        let labels: Vec<i64> = (0..t).map(|r| if r % 5 == 0 { lmhead_reference::IGNORE_INDEX } else { (r * 31 % v) as i64 }).collect();
+        s.labels = upload(&stream, &labels).unwrap();
+        let budget = 4 * 299 * lmhead::keep::stride(v);
+        let mut kept: CudaSlice<f32> = stream.alloc_zeros(lmhead::keep::len(t, v, budget)).unwrap();
+        let compaction = if i % 2 == 0 { lmhead::Compaction::Always } else { lmhead::Compaction::Off };
+        let o = FwdOptions { config: Choice::Fixed(c), keep_logits: budget, compaction, ..Default::default() };
+        let (mut lp, mut lse, mut ent): (CudaSlice<f32>, CudaSlice<f32>, CudaSlice<f32>) =
+            (stream.alloc_zeros(t).unwrap(), stream.alloc_zeros(t).unwrap(), stream.alloc_zeros(t).unwrap());
+        let x = FwdInputs { h: &s.h, w: &s.w, labels: &s.labels, problem: Problem::new(t, v, d) };
+        let r = head
+            .forward(&stream, &x, &o, FwdOutputs { kept: Some(&mut kept), logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) })
+            .unwrap();
+        assert_eq!(r.kept_rows, 256);
+        let g = upload(&stream, &vec![1.0f32; t]).unwrap();
+        for chunk in [v / 2 + 1, 64] {
+            let bx = BwdInputs {
+                kept: Some(lmhead::keep::Kept { logits: &kept, rows: r.kept_rows }),
+                h: &s.h,
+                w: &s.w,
+                labels: &s.labels,
+                lse: &lse,
+                entropy: Some(&ent),
+                grad_logprob: Some(&g),
+                grad_entropy: Some(&g),
+                problem: Problem::new(t, v, d),
+            };
+            let bo = BwdOptions { chunk: Some(chunk), config: BwdConfigs::all(Choice::Fallback), compaction, ..Default::default() };
+            let mut dh: CudaSlice<bf16> = stream.alloc_zeros(t * d).unwrap();
+            let mut dw: CudaSlice<bf16> = stream.alloc_zeros(v * d).unwrap();
+            head.backward(&stream, &bx, &bo, GradOut::Bf16(&mut dh), Some(GradOut::Bf16(&mut dw))).unwrap();
+        }
+    }
     // Tensor-parallel merge steps (two ranks, one thread each) and the bf16 dh reduction + cast.
     let comms = LocalComm::group(2);
     std::thread::scope(|sc| {
