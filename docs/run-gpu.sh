@@ -2,7 +2,7 @@
 # Runs on the GPU machine (no Rust there): the bundled test and bench binaries from `.gpu/`
 # (built by `cargo xtask gpu-bundle`). Usage, from the repository root on that machine:
 #
-#   bash .gpu/run-gpu.sh [steps...]     steps: info tests fills portable quick peers sweep probe entropy tp active exhaustive sanitize ncu plans sass (default: info tests quick)
+#   bash .gpu/run-gpu.sh [steps...]     steps: info tests fills portable quick peers sweep probe entropy tp active keep exhaustive sanitize ncu plans sass (default: info tests quick)
 #
 # Logs go to $OUT (or ./gpu-out when OUT is unset). Each step has a time limit so that one hung
 # step cannot eat the whole session. Set FILTER to pass a test-name filter to the test binaries,
@@ -45,7 +45,7 @@ for s in "${steps[@]}"; do
   case "$s" in
     info) nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/info.txt" ;;
     tests)
-      for t in ${TESTS:-gpu_units gpu_fwd gpu_bwd gpu_active gpu_capture tp gpu_reliability tuner reference}; do
+      for t in ${TESTS:-gpu_units gpu_fwd gpu_bwd gpu_active gpu_keep gpu_capture tp gpu_reliability tuner reference}; do
         [ -x "$B/$t" ] || continue
         echo "== $t"
         run_tests "$t" tests.log "${FILTER:-}"
@@ -74,7 +74,7 @@ for s in "${steps[@]}"; do
       # binary JIT-compiles what it launches (the driver caches it for the others).
       (
         export LMHEAD_TEST_MODULE=portable LMHEAD_TUNE_CACHE="$OUT/tune-cache-portable.json" TEST_TIMEOUT=${TEST_TIMEOUT:-600}
-        for t in ${TESTS:-gpu_units gpu_fwd gpu_bwd gpu_active gpu_capture tp gpu_reliability}; do
+        for t in ${TESTS:-gpu_units gpu_fwd gpu_bwd gpu_active gpu_keep gpu_capture tp gpu_reliability}; do
           [ -x "$B/$t" ] || continue
           echo "== $t (portable module, JIT)"
           run_tests "$t" portable.log "${FILTER:-}"
@@ -85,11 +85,11 @@ for s in "${steps[@]}"; do
         timeout ${BENCH_TIMEOUT:-500} "$B/lmhead-bench" quick --out "$OUT/bench-portable.jsonl" ${BENCH_ARGS:-} 2>>"$OUT/bench.err" | tee -a "$OUT/bench-portable.md"
         tail -3 "$OUT/bench.err"
       ) ;;
-    quick|peers|sweep|entropy|probe|tp|active|exhaustive)
+    quick|peers|sweep|entropy|probe|tp|active|keep|exhaustive)
       echo "== bench $s"
       # tp, active and exhaustive records are other kinds: their own files (`cargo xtask
       # heuristics` replays the rules against exhaustive ones).
-      res="$OUT/bench.jsonl"; [ "$s" = tp ] && res="$OUT/bench-tp.jsonl"; [ "$s" = active ] && res="$OUT/bench-active.jsonl"; [ "$s" = exhaustive ] && res="$OUT/exhaustive.jsonl"
+      res="$OUT/bench.jsonl"; [ "$s" = tp ] && res="$OUT/bench-tp.jsonl"; [ "$s" = active ] && res="$OUT/bench-active.jsonl"; [ "$s" = keep ] && res="$OUT/bench-keep.jsonl"; [ "$s" = exhaustive ] && res="$OUT/exhaustive.jsonl"
       timeout ${BENCH_TIMEOUT:-500} "$B/lmhead-bench" "$s" --out "$res" ${BUDGET:+--budget-s $BUDGET} ${BENCH_ARGS:-} 2>>"$OUT/bench.err" | tee -a "$OUT/bench-$s.md"
       tail -3 "$OUT/bench.err" ;;
     sanitize) run_sanitizers ;;

@@ -95,7 +95,7 @@ fn fwd_on<L: LabelType>(
             stream,
             &FwdInputs { h: &hd, w: &wd, labels, problem: p },
             opts,
-            FwdOutputs { logprob: lp, lse, entropy: entropy.then_some(ent) },
+            FwdOutputs { kept: None, logprob: lp, lse, entropy: entropy.then_some(ent) },
         )
         .unwrap();
     let get = |b: &CudaSlice<f32>| stream.clone_dtoh(b).unwrap()[..p.t].to_vec();
@@ -232,6 +232,7 @@ fn bwd_on<L: LabelType>(
     let f = |v: Option<&[f32]>| v.map(|v| upload(stream, v).unwrap());
     let (lse, ent, gl, ge) = (upload(stream, x.lse).unwrap(), f(x.ent), f(x.gl), f(x.ge));
     let bx = BwdInputs {
+        kept: None,
         h: &h,
         w: &w,
         labels,
@@ -383,7 +384,7 @@ fn tp_rank(
     let fo = FwdOptions { config: Choice::Fallback, compaction: c, ..Default::default() };
     let x = FwdInputs { h: &h, w: &w, labels: &lab, problem: p };
     let [lp, lse, ent] = &mut out[..] else { unreachable!() };
-    let o = FwdOutputs { logprob: lp, lse, entropy: Some(ent) };
+    let o = FwdOutputs { kept: None, logprob: lp, lse, entropy: Some(ent) };
     let report = match comm {
         Some(cm) => head.forward_tp(cm, stream, &x, shard, &fo, o),
         None => head.forward(stream, &x, &fo, o),
@@ -394,6 +395,7 @@ fn tp_rank(
     poison(stream, &mut dh).unwrap();
     poison(stream, &mut dw).unwrap();
     let bx = BwdInputs {
+        kept: None,
         h: &h,
         w: &w,
         labels: &lab,

@@ -111,7 +111,7 @@ fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &BwdCase, seed: u64) -> Strin
         stream,
         &FwdInputs { h: &h, w: &w, labels: &labels, problem: p },
         &FwdOptions { temperature: temp, config: Choice::Fallback, ..Default::default() },
-        FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) },
+        FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) },
     )
     .unwrap();
     let mut rng = Rng::new(seed ^ 0xD1CE);
@@ -131,6 +131,7 @@ fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &BwdCase, seed: u64) -> Strin
     poison(stream, &mut dw16).unwrap();
     poison(stream, &mut dw32).unwrap();
     let x = BwdInputs {
+        kept: None,
         h: &h,
         w: &w,
         labels: &labels,
@@ -358,8 +359,17 @@ fn deterministic() {
     let run = |config: BwdConfigs| {
         let mut dh: CudaSlice<f32> = stream.alloc_zeros(t * d).unwrap();
         let mut dw: CudaSlice<bf16> = stream.alloc_zeros(v * d).unwrap();
-        let x =
-            BwdInputs { h: &h, w: &w, labels: &labels, lse: &lse, entropy: None, grad_logprob: Some(&gl), grad_entropy: None, problem: p };
+        let x = BwdInputs {
+            kept: None,
+            h: &h,
+            w: &w,
+            labels: &labels,
+            lse: &lse,
+            entropy: None,
+            grad_logprob: Some(&gl),
+            grad_entropy: None,
+            problem: p,
+        };
         let opts = BwdOptions { chunk: Some(1000), config, ..Default::default() };
         head.backward(&stream, &x, &opts, GradOut::F32(&mut dh), Some(GradOut::Bf16(&mut dw))).unwrap();
         (stream.clone_dtoh(&dh).unwrap(), stream.clone_dtoh(&dw).unwrap())

@@ -123,9 +123,10 @@ impl Bufs {
             stream,
             &FwdInputs { h: &self.h, w: &self.w, labels: &self.labels, problem: p },
             fo,
-            FwdOutputs { logprob: &mut self.lp, lse: &mut self.lse, entropy: Some(&mut self.ent) },
+            FwdOutputs { kept: None, logprob: &mut self.lp, lse: &mut self.lse, entropy: Some(&mut self.ent) },
         )?;
         let x = BwdInputs {
+            kept: None,
             h: &self.h,
             w: &self.w,
             labels: &self.labels,

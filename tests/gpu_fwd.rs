@@ -102,7 +102,7 @@ fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &FwdCase, seed: u64) -> (Stri
     }
     let opts = FwdOptions { temperature: c.s.temperature as f32, config: c.choice, naive: c.naive, ..Default::default() };
     let problem = Problem::new(c.t, c.v, c.d);
-    let outs = FwdOutputs { logprob: &mut logprob, lse: &mut lse, entropy: if c.entropy { Some(&mut ent) } else { None } };
+    let outs = FwdOutputs { kept: None, logprob: &mut logprob, lse: &mut lse, entropy: if c.entropy { Some(&mut ent) } else { None } };
     let report = if c.i64_labels {
         let labels = upload(stream, &case.labels).unwrap();
         head.forward(stream, &FwdInputs { h: &h, w: &w, labels: &labels, problem }, &opts, outs)
@@ -364,7 +364,7 @@ fn bad_label_is_an_error() {
             &stream,
             &FwdInputs { h: &h, w: &w, labels: &lab, problem: Problem::new(t, v, d) },
             &FwdOptions { check_labels, ..Default::default() },
-            FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: None },
+            FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: None },
         );
         let got = download_f32(&stream, &lp).unwrap();
         let status = head.take_label_status(&stream);
@@ -390,7 +390,7 @@ fn bad_label_is_an_error() {
         &stream,
         &FwdInputs { h: &h, w: &w, labels: &good, problem: Problem::new(t, v, d) },
         &FwdOptions { check_labels: LabelCheck::Deferred, ..Default::default() },
-        FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: None },
+        FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: None },
     )
     .unwrap();
     assert!(head.take_label_status(&stream).is_ok());

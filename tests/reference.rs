@@ -289,7 +289,7 @@ fn cpu_backend_typed_errors() {
     let g = vec![1.0f32; 4];
     let r = cpu::backward(
         &cpu::CpuInputs { h: &h, w: &w, labels: &c.labels, problem: p },
-        &cpu::CpuGrads { lse: &lse, entropy: None, grad_logprob: None, grad_entropy: Some(&g) },
+        &cpu::CpuGrads { lse: &lse, entropy: None, grad_logprob: None, grad_entropy: Some(&g), kept: None },
         &BwdOptions::default(),
     );
     assert!(matches!(r, Err(Error::Invalid(_))), "entropy gradient without saved entropy");

@@ -64,7 +64,7 @@ fn run_rank(
     }
     let fo = FwdOptions { config, ..Default::default() };
     let x = FwdInputs { h: &h, w: &w, labels: &labels, problem: p };
-    let outs = FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: if entropy { Some(&mut ent) } else { None } };
+    let outs = FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: if entropy { Some(&mut ent) } else { None } };
     match comm {
         Some(c) => head.forward_tp(c, stream, &x, shard, &fo, outs),
         None => head.forward(stream, &x, &fo, outs),
@@ -77,6 +77,7 @@ fn run_rank(
     poison(stream, &mut dh).unwrap();
     poison(stream, &mut dw).unwrap();
     let bx = BwdInputs {
+        kept: None,
         h: &h,
         w: &w,
         labels: &labels,

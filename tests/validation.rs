@@ -27,6 +27,7 @@ fn good_fwd() -> FwdCall {
         logprob: Buf::new("logprob", at(3), T, 4),
         lse: Buf::new("lse", at(4), T, 4),
         entropy: Some(Buf::new("entropy", at(5), T, 4)),
+        kept: None,
     }
 }
 
@@ -44,6 +45,7 @@ fn good_bwd() -> BwdCall {
         grad_entropy: Some(Buf::new("grad_entropy", at(6), T, 4)),
         dh: Buf::new("dh", at(7), T * D, 2),
         dw: Some(Buf::new("dW", at(8), V * D, 2)),
+        kept: None,
     }
 }
 
@@ -62,6 +64,58 @@ fn length(r: lmhead::Result<f32>, which: &str) {
 #[track_caller]
 fn misaligned(r: lmhead::Result<f32>, which: &str) {
     assert!(matches!(r, Err(Error::Misaligned { what, .. }) if what == which), "{which}: {r:?}");
+}
+
+/// The kept-logits mode (`lmhead::keep`): a budget that keeps rows needs a buffer of at least
+/// `keep::len` elements, 16-byte aligned, overlapping nothing; a budget below one row keeps
+/// nothing and needs none; the backward's kept rows are all rows or whole tiles, within `t`.
+#[test]
+fn kept_logits_are_checked_in_both_passes() {
+    let at = |i: u64| 0x1000_0000 + (i << 20);
+    let stride = lmhead::keep::stride(V);
+    assert_eq!(stride, 264);
+    let all = FwdOptions { keep_logits: usize::MAX, ..FwdOptions::default() };
+    let need = T * stride;
+    let with = |len: usize, ptr: u64| FwdCall { kept: Some(Buf::new("kept logits", ptr, len, 4)), ..good_fwd() };
+    assert_eq!(validate::kept_rows(&with(need, at(9)), &all).unwrap(), T);
+    validate::fwd(&with(need, at(9)), &all).unwrap();
+    validate::fwd(&with(need + 100, at(9)), &all).unwrap();
+    length(validate::fwd(&with(need - 1, at(9)), &all), "kept logits");
+    misaligned(validate::fwd(&with(need, at(9) + 4), &all), "kept logits");
+    assert!(matches!(validate::fwd(&good_fwd(), &all), Err(Error::Invalid(_))), "keep without a buffer");
+    assert!(matches!(validate::fwd(&with(need, at(0) + 64), &all), Err(Error::Invalid(_))), "over h");
+    assert!(matches!(validate::fwd(&with(need, at(3)), &all), Err(Error::Invalid(_))), "over logprob");
+    assert!(matches!(validate::fwd(&with(need, at(9)), &FwdOptions { naive: true, ..all.clone() }), Err(Error::Invalid(_))));
+    // A budget below the call's rows keeps whole 128-row tiles: none of 33 rows.
+    let some = FwdOptions { keep_logits: 4 * need - 1, ..FwdOptions::default() };
+    assert_eq!(validate::kept_rows(&good_fwd(), &some).unwrap(), 0);
+    validate::fwd(&good_fwd(), &some).unwrap();
+    assert_eq!(validate::kept_rows(&with(need, at(9)), &FwdOptions::default()).unwrap(), 0);
+    // Backward.
+    let o = BwdOptions::default();
+    let bwd = |rows: usize, len: usize, ptr: u64| BwdCall { kept: Some((Buf::new("kept logits", ptr, len, 4), rows)), ..good_bwd() };
+    validate::bwd(&bwd(T, need, at(9)), &o).unwrap();
+    validate::bwd(&bwd(0, 0, at(9)), &o).unwrap();
+    length(validate::bwd(&bwd(T, need - 1, at(9)), &o), "kept logits");
+    misaligned(validate::bwd(&bwd(T, need, at(9) + 8), &o), "kept logits");
+    assert!(matches!(validate::bwd(&bwd(T + 1, need + stride, at(9)), &o), Err(Error::Invalid(_))), "more rows than t");
+    assert!(matches!(validate::bwd(&bwd(T - 1, need, at(9)), &o), Err(Error::Invalid(_))), "not whole tiles");
+    assert!(matches!(validate::bwd(&bwd(T, need, at(7)), &o), Err(Error::Invalid(_))), "under dh");
+    let big = |rows: usize| BwdCall {
+        problem: Problem::new(300, V, D),
+        h: Buf::new("h", at(0), 300 * D, 2),
+        labels: Buf::new("labels", at(2), 300, 8),
+        lse: Buf::new("lse", at(3), 300, 4),
+        entropy: None,
+        grad_entropy: None,
+        grad_logprob: Some(Buf::new("grad_logprob", at(5), 300, 4)),
+        dh: Buf::new("dh", at(7), 300 * D, 2),
+        kept: Some((Buf::new("kept logits", at(40), rows * stride, 4), rows)),
+        ..good_bwd()
+    };
+    validate::bwd(&big(256), &o).unwrap();
+    validate::bwd(&big(300), &o).unwrap();
+    assert!(matches!(validate::bwd(&big(200), &o), Err(Error::Invalid(_))));
 }
 
 #[test]
@@ -236,7 +290,7 @@ fn cpu_tensor_parallel_matches_unsharded() {
     let ent = whole.entropy.clone().unwrap();
     let (dh, dw) = cpu::backward(
         &cpu::CpuInputs { h: &h, w: &w, labels: &case.labels, problem: Problem::new(t, v, d) },
-        &cpu::CpuGrads { lse: &whole.lse, entropy: Some(&ent), grad_logprob: Some(&g), grad_entropy: Some(&ge) },
+        &cpu::CpuGrads { lse: &whole.lse, entropy: Some(&ent), grad_logprob: Some(&g), grad_entropy: Some(&ge), kept: None },
         &bo,
     )
     .unwrap();
@@ -257,7 +311,7 @@ fn cpu_tensor_parallel_matches_unsharded() {
                         &comm,
                         &cpu::CpuInputs { h, w: ws, labels, problem: p },
                         shard,
-                        &cpu::CpuGrads { lse: &f.lse, entropy: Some(&e), grad_logprob: Some(g), grad_entropy: Some(ge) },
+                        &cpu::CpuGrads { lse: &f.lse, entropy: Some(&e), grad_logprob: Some(g), grad_entropy: Some(ge), kept: None },
                         bo,
                         true,
                     )
@@ -280,4 +334,51 @@ fn cpu_tensor_parallel_matches_unsharded() {
         close(dh_r, &dh, "dh");
         close(dw_r, &dw[v0 * d..(v0 + vl) * d], "dW shard");
     }
+}
+
+/// The CPU backend's kept-logits mode: the budget keeps the rows `keep::rows` says (all, whole
+/// 128-row tiles, none), the kept values are the raw dot products, and the backward with them
+/// gives exactly the backward without them; a bad kept argument is the GPU's typed error.
+#[test]
+fn cpu_keeps_the_rows_the_budget_says_and_checks_them_as_the_gpu_does() {
+    let s = lmhead_reference::Structure { ignored: 0.1, ..Default::default() };
+    let case = lmhead_reference::Case::generate(13, 300, 61, 16, &s);
+    let (t, v, d) = (case.t, case.v, case.d);
+    let h: Vec<bf16> = case.h.iter().map(|&b| bf16::from_bits(b)).collect();
+    let w: Vec<bf16> = case.w.iter().map(|&b| bf16::from_bits(b)).collect();
+    let x = cpu::CpuInputs { h: &h, w: &w, labels: &case.labels, problem: Problem::new(t, v, d) };
+    let stride = lmhead::keep::stride(v);
+    let row_bytes = 4 * stride;
+    for (budget, rows) in [(0, 0), (row_bytes * 127, 0), (row_bytes * 200, 128), (row_bytes * 299, 256), (usize::MAX, t)] {
+        let fo = FwdOptions { keep_logits: budget, temperature: case.temperature as f32, ..Default::default() };
+        let f = cpu::forward(&x, &fo, true).unwrap();
+        assert_eq!(f.kept_rows, rows, "budget {budget}");
+        assert_eq!(f.kept.len(), rows * stride);
+        let off = cpu::forward(&x, &FwdOptions { keep_logits: 0, ..fo.clone() }, true).unwrap();
+        assert_eq!((&f.logprob, &f.lse, &f.entropy), (&off.logprob, &off.lse, &off.entropy), "outputs unchanged");
+        if rows > 0 {
+            let (r, j) = (rows - 1, v / 2);
+            let dot: f64 = (0..d).map(|k| h[r * d + k].to_f64() * w[j * d + k].to_f64()).sum();
+            assert_eq!(f.kept[r * stride + j], dot as f32);
+        }
+        let g: Vec<f32> = (0..t).map(|i| 1.0 - (i % 3) as f32).collect();
+        let bo = BwdOptions { temperature: case.temperature as f32, ..Default::default() };
+        let grads =
+            cpu::CpuGrads { lse: &f.lse, entropy: f.entropy.as_deref(), grad_logprob: Some(&g), grad_entropy: Some(&g), kept: None };
+        let plain = cpu::backward(&x, &grads, &bo).unwrap();
+        let kept = cpu::backward(&x, &cpu::CpuGrads { kept: Some((&f.kept, rows)), ..grads }, &bo).unwrap();
+        assert_eq!(plain, kept);
+    }
+    let f = cpu::forward(&x, &FwdOptions { keep_logits: usize::MAX, ..Default::default() }, false).unwrap();
+    let grads = cpu::CpuGrads { lse: &f.lse, entropy: None, grad_logprob: Some(&f.lse), grad_entropy: None, kept: None };
+    let bo = BwdOptions::default();
+    let bad = |k: &[f32], rows: usize| cpu::backward(&x, &cpu::CpuGrads { kept: Some((k, rows)), ..grads }, &bo);
+    assert!(matches!(bad(&f.kept[..f.kept.len() - 1], t), Err(Error::Length { what: "kept logits", .. })));
+    assert!(matches!(bad(&f.kept, t + 1), Err(Error::Invalid(_))));
+    assert!(matches!(bad(&f.kept, 200), Err(Error::Invalid(_))));
+    bad(&f.kept, 256).unwrap();
+    assert!(matches!(
+        cpu::forward(&x, &FwdOptions { keep_logits: usize::MAX, naive: true, ..Default::default() }, false),
+        Err(Error::Invalid(_))
+    ));
 }

@@ -146,15 +146,16 @@ fn run_op(
     match op {
         Op::Gemm => unreachable!("cuBLAS is timed by the caller"),
         Op::Fwd(way) => {
-            let r = head.forward(stream, &x, &fo, FwdOutputs { logprob: &mut b.lp, lse: &mut b.lse, entropy: None })?;
+            let r = head.forward(stream, &x, &fo, FwdOutputs { kept: None, logprob: &mut b.lp, lse: &mut b.lse, entropy: None })?;
             if way == Way::Active {
                 seen.fwd_rows = r.rows;
                 seen.fwd_cfg = r.kernel.as_deref().map(|k| crate::measure::config_of(k, lmhead::Family::Fwd)).unwrap_or_default();
             }
         }
         Op::Step(way) => {
-            head.forward(stream, &x, &fo, FwdOutputs { logprob: &mut b.lp, lse: &mut b.lse, entropy: Some(&mut b.ent) })?;
+            head.forward(stream, &x, &fo, FwdOutputs { kept: None, logprob: &mut b.lp, lse: &mut b.lse, entropy: Some(&mut b.ent) })?;
             let bx = BwdInputs {
+                kept: None,
                 h: &b.h,
                 w,
                 labels: &b.labels,

@@ -1,7 +1,7 @@
 //! The command line of `lmhead-bench` (see the crate docs for what each option does).
 
 /// The usage line printed on a bad command line.
-pub const USAGE: &str = "usage: lmhead-bench [quick|peers|sweep|probe|entropy|tp|active|exhaustive|dh-probe|config-probe] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback | --fixed | --versus-fixed] [--no-check] [--skip N] [--bwd-chunk N] [--dw-after-dh] [--check-labels] [--fixed-order] [--resume FILE]";
+pub const USAGE: &str = "usage: lmhead-bench [quick|peers|sweep|probe|entropy|tp|active|keep|exhaustive|dh-probe|config-probe] [--filter S] [--budget-s N] [--reps N] [--out FILE] [--fallback | --fixed | --versus-fixed] [--no-check] [--skip N] [--bwd-chunk N] [--dw-after-dh] [--check-labels] [--fixed-order] [--resume FILE]";
 
 /// Command-line options.
 #[derive(Clone, Debug)]

@@ -65,9 +65,10 @@ fn probe(head: &LmHead, stream: &Arc<CudaStream>, args: &Args, (t, v, d): (usize
 
     // The forward with entropy once (tuned), for the backward's saved lse and entropy.
     let fo = FwdOptions { check_labels: LabelCheck::Off, ..Default::default() };
-    head.forward(stream, &x, &fo, FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) })?;
+    head.forward(stream, &x, &fo, FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) })?;
     let (lse_s, ent_s) = (lse.clone(), ent.clone());
     let bx = BwdInputs {
+        kept: None,
         h: &h,
         w: &w,
         labels: &labels,
@@ -143,5 +144,5 @@ fn forward(
 ) -> lmhead::Result<lmhead::FwdReport> {
     let o = FwdOptions { config, check_labels: LabelCheck::Off, ..Default::default() };
     let entropy = (family == Family::FwdEnt).then_some(ent as _);
-    head.forward(stream, x, &o, FwdOutputs { logprob: lp, lse, entropy })
+    head.forward(stream, x, &o, FwdOutputs { kept: None, logprob: lp, lse, entropy })
 }

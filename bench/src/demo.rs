@@ -30,7 +30,7 @@ fn gpu_demo(head: &LmHead) -> Result<(), String> {
     let t0 = Instant::now();
     let x = FwdInputs { h: &h, w: &w, labels: &labels, problem: p };
     let rep = head
-        .forward(&stream, &x, &FwdOptions::default(), FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) })
+        .forward(&stream, &x, &FwdOptions::default(), FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) })
         .map_err(e)?;
     stream.synchronize().unwrap();
     println!(
@@ -42,6 +42,7 @@ fn gpu_demo(head: &LmHead) -> Result<(), String> {
     let mut dh: CudaSlice<bf16> = stream.alloc_zeros(t * d).unwrap();
     let mut dw: CudaSlice<bf16> = stream.alloc_zeros(v * d).unwrap();
     let bx = BwdInputs {
+        kept: None,
         h: &h,
         w: &w,
         labels: &labels,
@@ -94,7 +95,7 @@ fn cpu_demo() -> Result<(), String> {
     let gl = vec![1.0f32; t];
     let (dh, dw) = cpu::backward(
         &cpu::CpuInputs { h: &h, w: &w, labels: &case.labels, problem: p },
-        &cpu::CpuGrads { lse: &f.lse, entropy: f.entropy.as_deref(), grad_logprob: Some(&gl), grad_entropy: None },
+        &cpu::CpuGrads { lse: &f.lse, entropy: f.entropy.as_deref(), grad_logprob: Some(&gl), grad_entropy: None, kept: None },
         &BwdOptions::default(),
     )
     .map_err(|e| e.to_string())?;

@@ -2,7 +2,7 @@
 //! the same run. Prints a markdown table, appends JSON lines to a results file.
 //!
 //! ```text
-//! lmhead-bench [quick|peers|sweep|probe|entropy|tp|active|exhaustive|dh-probe|config-probe]
+//! lmhead-bench [quick|peers|sweep|probe|entropy|tp|active|keep|exhaustive|dh-probe|config-probe]
 //!              [--filter SUBSTR] [--budget-s N]
 //!              [--reps N] [--out results.jsonl] [--fallback | --fixed | --versus-fixed]
 //!              [--no-check] [--skip N]
@@ -26,6 +26,7 @@
 //! (`config_probe.rs`).
 //!
 //! `active` times masked batches against the dense call and the compacted ideal (`active.rs`).
+//! `keep` times the training step with the kept-logits mode on and off against one GEMM (`keep.rs`).
 //!
 //! `--check-labels` times the forwards with `FwdOptions::check_labels` on (the label check
 //! kernel and its synchronous 8-byte read before each forward); by default it is off, so the
@@ -54,6 +55,7 @@ mod cublas;
 mod decisions;
 mod dh_probe;
 mod exhaustive;
+mod keep;
 mod measure;
 mod rounds;
 mod suites;
@@ -137,6 +139,10 @@ fn main() {
         active::run(&head, &stream, &args, &info);
         return;
     }
+    if args.suite == "keep" {
+        keep::run(&head, &stream, &args, &info);
+        return;
+    }
     if args.suite == "exhaustive" {
         exhaustive::run(&head, &args, &info.name, &commit());
         return;
@@ -156,7 +162,10 @@ fn main() {
         return;
     }
     let suite = Suite::named(&args.suite).unwrap_or_else(|| {
-        eprintln!("unknown suite `{}` (quick, peers, sweep, probe, entropy, tp, active, exhaustive, dh-probe, config-probe)", args.suite);
+        eprintln!(
+            "unknown suite `{}` (quick, peers, sweep, probe, entropy, tp, active, keep, exhaustive, dh-probe, config-probe)",
+            args.suite
+        );
         std::process::exit(2)
     });
     if let Suite::Probe = suite {

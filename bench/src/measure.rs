@@ -128,12 +128,13 @@ impl<'a> Ops<'a> {
         let head = self.head;
         match op {
             Op::Fwd => {
-                let r = head.forward(stream, &d.x, &d.fo, FwdOutputs { logprob: &mut self.lp, lse: &mut self.lse, entropy: None })?;
+                let r =
+                    head.forward(stream, &d.x, &d.fo, FwdOutputs { kept: None, logprob: &mut self.lp, lse: &mut self.lse, entropy: None })?;
                 self.fwd_cfg = r.kernel.as_deref().map(|k| config_of(k, Family::Fwd)).unwrap_or_default();
                 self.fwd_plan = Some(plan_of(&r));
             }
             Op::FwdEnt => {
-                let out = FwdOutputs { logprob: &mut self.lp_ent, lse: &mut self.lse_ent, entropy: Some(&mut self.ent) };
+                let out = FwdOutputs { kept: None, logprob: &mut self.lp_ent, lse: &mut self.lse_ent, entropy: Some(&mut self.ent) };
                 let r = head.forward(stream, &d.x, &d.fo, out)?;
                 self.fwd_ent_cfg = r.kernel.as_deref().map(|k| config_of(k, Family::FwdEnt)).unwrap_or_default();
                 self.fwd_ent_plan = Some(plan_of(&r));
@@ -141,8 +142,9 @@ impl<'a> Ops<'a> {
             Op::FwdBwd => {
                 let Some((dh, dw)) = self.grads.as_mut() else { return Ok(()) };
                 let (lp_b, lse_b, ent_b) = &mut self.fb;
-                head.forward(stream, &d.x, &d.fo, FwdOutputs { logprob: lp_b, lse: lse_b, entropy: Some(ent_b) })?;
+                head.forward(stream, &d.x, &d.fo, FwdOutputs { kept: None, logprob: lp_b, lse: lse_b, entropy: Some(ent_b) })?;
                 let bx = BwdInputs {
+                    kept: None,
                     h: d.x.h,
                     w: d.x.w,
                     labels: d.x.labels,

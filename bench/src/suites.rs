@@ -203,10 +203,11 @@ pub fn timed_step(head: &LmHead, stream: &Arc<CudaStream>, t: usize, v: usize, d
         stream,
         &FwdInputs { h: &h, w: &w, labels: &lab, problem: p },
         &FwdOptions::default(),
-        FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) },
+        FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) },
     )
     .unwrap();
     let bx = BwdInputs {
+        kept: None,
         h: &h,
         w: &w,
         labels: &lab,

@@ -101,7 +101,7 @@ struct Problem0<'a> {
 }
 
 fn ent_out<'a>(lp: &'a mut CudaSlice<f32>, lse: &'a mut CudaSlice<f32>, ent: &'a mut CudaSlice<f32>) -> FwdOutputs<'a> {
-    FwdOutputs { logprob: lp, lse, entropy: Some(ent) }
+    FwdOutputs { kept: None, logprob: lp, lse, entropy: Some(ent) }
 }
 
 /// One rank's per-round samples.
@@ -177,6 +177,7 @@ fn run_rank(head: &LmHead, stream: &Arc<CudaStream>, r: &Rank, pb: &Problem0<'_>
                     return Ok(());
                 }
                 let bx = BwdInputs {
+                    kept: None,
                     h: &h,
                     w: &w,
                     labels: &lab,
@@ -199,7 +200,7 @@ fn run_rank(head: &LmHead, stream: &Arc<CudaStream>, r: &Rank, pb: &Problem0<'_>
                 }
                 .map(drop)
             }
-            Op::FwdLp => fwd(tp, FwdOutputs { logprob: &mut lp2, lse: &mut lse2, entropy: None }).map(drop),
+            Op::FwdLp => fwd(tp, FwdOutputs { kept: None, logprob: &mut lp2, lse: &mut lse2, entropy: None }).map(drop),
         }
     };
     let ops = [Op::Gemm, Op::Fused, Op::FwdEnt, Op::FwdLp, Op::FwdBwd];

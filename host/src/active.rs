@@ -196,6 +196,8 @@ pub(crate) struct Count<'c> {
 /// [`crate::ScratchAlloc`] when the call returns).
 pub struct ActiveWs {
     block_counts: Grow<u32>,
+    /// The block counts of the active rows among the kept ones ([`count_prefix`]).
+    block_counts_kept: Grow<u32>,
     flags: Grow<f32>,
     idx: Grow<u32>,
     slot: Grow<u32>,
@@ -212,6 +214,7 @@ impl Default for ActiveWs {
     fn default() -> Self {
         Self {
             block_counts: Grow::new("active-row block counts"),
+            block_counts_kept: Grow::new("kept-row block counts"),
             flags: Grow::new("active-row flags"),
             idx: Grow::new("active-row index list"),
             slot: Grow::new("active-row slots"),
@@ -225,9 +228,10 @@ impl Default for ActiveWs {
 }
 
 impl ActiveWs {
-    fn grows(&mut self) -> [&mut dyn GrowDyn; 9] {
+    fn grows(&mut self) -> [&mut dyn GrowDyn; 10] {
         [
             &mut self.block_counts,
+            &mut self.block_counts_kept,
             &mut self.flags,
             &mut self.idx,
             &mut self.slot,
@@ -240,7 +244,7 @@ impl ActiveWs {
     }
 
     pub fn bytes(&self) -> usize {
-        let small = self.block_counts.bytes() + self.flags.bytes() + self.idx.bytes() + self.slot.bytes();
+        let small = self.block_counts.bytes() + self.block_counts_kept.bytes() + self.flags.bytes() + self.idx.bytes() + self.slot.bytes();
         small + self.labels.bytes() + self.values.bytes() + self.h.bytes() + self.dh16.bytes() + self.dh32.bytes()
     }
 
@@ -292,6 +296,34 @@ pub(crate) fn count(
     }
 }
 
+/// Count the active rows of `rows` among its first `prefix` rows into `count` (one u32, zeroed
+/// by the caller), into block counts of their own (the placement reads the whole count's);
+/// with `union`, from the flags the whole count left (the ranks' MAX-reduced flags).
+#[allow(clippy::too_many_arguments)]
+fn count_prefix(
+    gpu: &crate::device::Gpu,
+    (src, act): (&mut Source, &mut ActiveWs),
+    stream: &Arc<CudaStream>,
+    rows: &ActiveRows,
+    prefix: usize,
+    union: bool,
+    count: &Dev,
+) -> Result<()> {
+    let bc = dev_out(act.block_counts_kept.get(src, stream, blocks(prefix))?, stream, "kept-row block counts")?;
+    let labels = rows.labels.rows(prefix)?;
+    let gl = rows.grad_logprob.map(|g| g.sub(0, prefix, 4)).transpose()?;
+    let ge = rows.grad_entropy.map(|g| g.sub(0, prefix, 4)).transpose()?;
+    let r =
+        ActiveRows { t: prefix, labels: &labels, ignore_index: rows.ignore_index, grad_logprob: gl.as_ref(), grad_entropy: ge.as_ref() };
+    if union {
+        let all = dev_in(act.flags.get(src, stream, rows.t)?, stream, "active-row flags")?;
+        let flags = all.sub(0, prefix, 4)?;
+        launch::active_count(gpu, stream, &r, Flags::Read(&flags), &bc, count)
+    } else {
+        launch::active_count(gpu, stream, &r, Flags::None, &bc, count)
+    }
+}
+
 /// The `v` the cost model uses: with collectives the same on every rank.
 fn model_v(v: usize, v_total: usize, comm: Option<&dyn Communicator>) -> usize {
     match comm {
@@ -319,7 +351,7 @@ pub(crate) fn forward(
             if let Some(e) = f.entropy {
                 launch::zero_fill(stream, e, t, 4)?;
             }
-            Ok(FwdReport { kernel: None, n_splits: 0, raster_group: 0, fill: 0, rows: 0 })
+            Ok(FwdReport { kernel: None, n_splits: 0, raster_group: 0, fill: 0, rows: 0, kept_rows: 0 })
         }
         Plan::Compact => {
             let mut act = std::mem::take(&mut ws.active);
@@ -362,7 +394,9 @@ fn forward_compact(
     let labels = Labels { dev: lab.sub(0, n, f.x.labels.elem())?, kind: f.x.labels.kind };
     let (lp, lse, ent) = (vals.sub(0, n, 4)?, vals.sub(n, n, 4)?, vals.sub(2 * n, n, 4)?);
     let x = LogitsIn { dims: Dims { t: n, v, d }, sc: f.x.sc, h: &h, w: f.x.w, labels: &labels };
-    let fc = FwdDev { x, shard: f.shard, comm: f.comm, logprob: &lp, lse: &lse, entropy: f.entropy.map(|_| &ent) };
+    // The kept logits stay in the caller's rows: each compact row is written at its own row.
+    let kept = f.kept.map(|k| launch::KeptOut { map: Some(&idx), ..k });
+    let fc = FwdDev { x, shard: f.shard, comm: f.comm, logprob: &lp, lse: &lse, entropy: f.entropy.map(|_| &ent), kept };
     let report = head.forward_dev(ws, stream, &fc, opts)?;
     let mut outs = vec![(&lp, f.logprob, 0.0), (&lse, f.lse, f32::INFINITY)];
     if let Some(e) = f.entropy {
@@ -385,9 +419,13 @@ pub(crate) fn backward(
     let p = x.p;
     let gl = x.g.grad_logprob;
     let ge = x.g.ent.map(|(g, _)| g);
+    // Rows the kept logits cover (a prefix of the caller's rows).
+    let kept = x.kept.map_or(0, |(k, _)| k.rows);
     // Without an upstream gradient every row's is zero: no row is active, nothing is counted.
-    let n = if gl.is_none() && ge.is_none() {
-        0
+    // With kept logits of part of the rows, the same read also brings back how many of the
+    // active rows are among them (a compacted call reads those from the kept logits).
+    let (n, n_kept) = if gl.is_none() && ge.is_none() {
+        (0, 0)
     } else {
         let status = ws.status.get(&mut ws.src, stream, 3)?;
         stream.memset_zeros(&mut *status).during(|| "clearing the active-row count".into())?;
@@ -395,14 +433,28 @@ pub(crate) fn backward(
             let sd = dev_out(&mut *status, stream, "status")?;
             let rows = ActiveRows { t: p.t, labels: x.x.labels, ignore_index: x.x.sc.ignore_index, grad_logprob: gl, grad_entropy: ge };
             count(&head.gpu, (&mut ws.src, &mut ws.active), stream, &rows, reduce_dh, &sd.sub(0, 1, 4)?)?;
+            if kept > 0 && kept < p.t {
+                count_prefix(&head.gpu, (&mut ws.src, &mut ws.active), stream, &rows, kept, reduce_dh.is_some(), &sd.sub(1, 1, 4)?)?;
+            }
         }
-        stream.clone_dtoh(&*status).during(|| "reading the active-row count".into())?[0] as usize
+        let words = stream.clone_dtoh(&*status).during(|| "reading the active-row count".into())?;
+        let n = words[0] as usize;
+        (
+            n,
+            if kept >= p.t {
+                n
+            } else if kept == 0 {
+                0
+            } else {
+                words[1] as usize
+            },
+        )
     };
     let dh_bytes = if dh.f32 { 4 } else { 2 };
     match plan_for(opts.compaction, Pass::Backward { dh_bytes }, p.t, n, model_v(p.v, v_total, reduce_dh), p.d) {
         Plan::Compact => {
             let mut act = std::mem::take(&mut ws.active);
-            let r = backward_compact(head, (ws, &mut act), stream, (opts, reduce_dh), x, (dh, dw), n);
+            let r = backward_compact(head, (ws, &mut act), stream, (opts, reduce_dh), x, (dh, dw), (n, n_kept));
             ws.active = act;
             r
         }
@@ -421,6 +473,7 @@ pub(crate) fn backward(
                 dw_beside_dh: false,
                 workspace_bytes: 0,
                 rows: 0,
+                kept_rows: 0,
             })
         }
         Plan::Dense => head.backward_dev(ws, stream, opts, reduce_dh, x, (dh, dw)),
@@ -434,7 +487,7 @@ fn backward_compact(
     (opts, reduce_dh): (&BwdOptions, Option<&dyn Communicator>),
     x: &BwdDev,
     (dh, dw): (&Out, Option<&Out>),
-    n: usize,
+    (n, n_kept): (usize, usize),
 ) -> Result<BwdReport> {
     let (gpu, p) = (&*head.gpu, x.p);
     let (t, v, d) = (p.t, p.v, p.d);
@@ -479,6 +532,12 @@ fn backward_compact(
         p: Problem::new(n, v, d),
         x: LogitsIn { dims: Dims { t: n, v, d }, sc: x.x.sc, h: &h, w: x.x.w, labels: &labels },
         g: DlogitsIn { lse: &lse_c, grad_logprob: gl.map(|_| &gl_c), ent: ent.map(|_| (&ge_c, &ent_c)) },
+        // The first `n_kept` compact rows are caller rows below the kept prefix (the index list
+        // keeps row order): they read the kept logits at their caller rows.
+        kept: match x.kept {
+            Some((k, _)) if n_kept > 0 => Some((launch::KeptOut { map: Some(&idx), ..k }, n_kept)),
+            _ => None,
+        },
     };
     let e = if dh.f32 { 4 } else { 2 };
     let dh_c = Out { dev: dhc.sub(0, n * d, e)?, f32: dh.f32 };
@@ -552,7 +611,7 @@ mod tests {
         let zero = |i: usize| i % 3 == 1;
         let gl: Vec<f32> = (0..t).map(|i| if zero(i) { 0.0 } else { rng.normal() as f32 }).collect();
         let ge: Vec<f32> = (0..t).map(|i| if zero(i) { 0.0 } else { rng.normal() as f32 }).collect();
-        let g = CpuGrads { lse: &f.lse, entropy: f.entropy.as_deref(), grad_logprob: Some(&gl), grad_entropy: Some(&ge) };
+        let g = CpuGrads { lse: &f.lse, entropy: f.entropy.as_deref(), grad_logprob: Some(&gl), grad_entropy: Some(&ge), kept: None };
         let (dh, dw) = cpu::backward(&x, &g, &BwdOptions::default()).unwrap();
         let ignored: Vec<i64> = (0..t).map(|i| if zero(i) { lmhead_reference::IGNORE_INDEX } else { case.labels[i] }).collect();
         let gl2: Vec<f32> = (0..t).map(|i| if zero(i) { 1.0 } else { gl[i] }).collect();

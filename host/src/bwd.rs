@@ -32,7 +32,7 @@ use lmhead_core::Problem;
 
 use crate::active::Compaction;
 use crate::error::{Context as _, Error, Result};
-use crate::launch::{self, dev_in, dev_out, Chunk, Dev, Dims, DlogitsIn, GemmC, GemmIn, GemmOut, LogitsIn, Scalars};
+use crate::launch::{self, dev_in, dev_out, Chunk, Dev, Dims, DlogitsIn, GemmC, GemmIn, GemmOut, KeptOut, Labels, LogitsIn, Scalars};
 use crate::tp::{Communicator, ReduceDh, Shard, TpBackward};
 use crate::tune::{Choice, TuneKey};
 use crate::validate;
@@ -53,6 +53,9 @@ pub struct BwdInputs<'a, L: LabelType> {
     /// Upstream gradient of entropy `[t]`.
     pub grad_entropy: Option<&'a dyn DevicePtr<f32>>,
     pub problem: Problem,
+    /// The logits the forward kept ([`crate::keep`]): the d-logits of those rows are formed from
+    /// them instead of a recompute on the tensor cores. `None`: every row is recomputed.
+    pub kept: Option<crate::keep::Kept<'a>>,
 }
 
 /// A gradient output in bf16 or f32.
@@ -148,6 +151,9 @@ pub struct BwdReport {
     /// Rows the kernels ran: the active rows when the call compacted them ([`Compaction`];
     /// 0 when none was active: then nothing ran and `chunks` is 0), else `t`.
     pub rows: usize,
+    /// Of those rows, how many had their d-logits formed from the kept logits ([`crate::keep`])
+    /// instead of recomputed (the first `kept_rows` rows that ran).
+    pub kept_rows: usize,
 }
 
 /// Staging stride for a chunk width: a multiple of 8 (16-byte rows).
@@ -168,6 +174,8 @@ pub(crate) struct BwdDev<'a, 'b> {
     pub p: Problem,
     pub x: LogitsIn<'a, 'b>,
     pub g: DlogitsIn<'a, 'b>,
+    /// The kept logits and how many of the first rows of `x` read them (`(kept, prefix)`).
+    pub kept: Option<(KeptOut<'a, 'b>, usize)>,
 }
 
 fn grad_out<'a>(g: &'a mut GradOut<'_>, stream: &'a CudaStream, what: &'static str) -> Result<Out<'a>> {
@@ -213,6 +221,7 @@ impl LmHead {
         let entropy = x.entropy.map(|e| dev_in(e, stream, "entropy")).transpose()?;
         let gl = x.grad_logprob.map(|g| dev_in(g, stream, "grad_logprob")).transpose()?;
         let ge = x.grad_entropy.map(|g| dev_in(g, stream, "grad_entropy")).transpose()?;
+        let kept = x.kept.map(|k| dev_in(k.logits, stream, "kept logits").map(|d| (d, k.rows))).transpose()?;
         let dh = grad_out(&mut dh, stream, "dh")?;
         let dw = match dw.as_mut() {
             Some(g) => Some(grad_out(g, stream, "dW")?),
@@ -231,6 +240,7 @@ impl LmHead {
             grad_entropy: ge.as_ref().map(|g| g.buf(4)),
             dh: dh.dev.buf(if dh.f32 { 4 } else { 2 }),
             dw: dw.as_ref().map(|o| o.dev.buf(if o.f32 { 4 } else { 2 })),
+            kept: kept.as_ref().map(|(k, rows)| (k.buf(4), *rows)),
         };
         let inv_temp = validate::bwd(&call, opts)?;
         let sc = Scalars { inv_temp, ignore_index: opts.ignore_index, v_begin: shard.v_begin as i64 };
@@ -242,6 +252,10 @@ impl LmHead {
             p,
             x: LogitsIn { dims: Dims { t: p.t, v: p.v, d: p.d }, sc, h: &h, w: &w, labels: &labels },
             g: DlogitsIn { lse: &lse, grad_logprob: gl.as_ref(), ent: ent.as_ref().map(|(a, b)| (a, b)) },
+            kept: match &kept {
+                Some((k, rows)) if *rows > 0 => Some((KeptOut { buf: k, rows: *rows, stride: crate::keep::stride(p.v), map: None }, *rows)),
+                _ => None,
+            },
         };
         // Under CUDA-graph capture nothing may wait for the device (see `capture.rs`).
         let capture = crate::capture::capturing(stream)?;
@@ -296,6 +310,10 @@ impl LmHead {
             let staging = ws.staging.get(src, stream, p.t * stride)?;
             let staging = dev_out(staging, stream, "staging")?;
             let g = Gemms { gpu: &self.gpu, stream, p, stride, w, h };
+            // Rows [0, prefix) read their logits from the kept buffer, the rest are recomputed
+            // (as a problem of their own, on views of the inputs and the staging buffer).
+            let prefix = x.kept.map_or(0, |(_, n)| n);
+            let rest = if prefix > 0 && prefix < p.t { Some(RestRows::of(x, prefix, &staging, stride)?) } else { None };
             // The f32 accumulator of dh: the caller's buffer when f32, else the workspace's
             // (not needed for a single chunk written straight to bf16 without reduction).
             let reduce_bf16 = reduce_dh.is_some() && !dh.f32;
@@ -313,7 +331,16 @@ impl LmHead {
             let looped = (0..chunks).try_for_each(|c| -> Result<()> {
                 let c0 = c * chunk;
                 let cw = chunk.min(p.v - c0);
-                launch::bwd_dlogits(&self.gpu, stream, cfg_dl, &x.x, Chunk { begin: c0, width: cw, stride }, &x.g, &staging)?;
+                let ch = Chunk { begin: c0, width: cw, stride };
+                match (&x.kept, &rest) {
+                    (None, _) => launch::bwd_dlogits(&self.gpu, stream, cfg_dl, &x.x, ch, &x.g, &staging)?,
+                    (Some((k, n)), rest) => {
+                        launch::bwd_dlogits_kept(&self.gpu, stream, &x.x, ch, &x.g, (k, *n), &staging)?;
+                        if let Some(r) = rest {
+                            r.dlogits(&self.gpu, stream, cfg_dl, x, ch)?;
+                        }
+                    }
+                }
                 // dW[c0 .. c0 + cw] = staging[:, :cw]ᵀ · h, queued first: on the side stream
                 // its blocks take the SMs first, and dh's fill those its last wave leaves.
                 if let Some(dw) = dw {
@@ -367,6 +394,7 @@ impl LmHead {
             dw_beside_dh: overlap,
             workspace_bytes,
             rows: p.t,
+            kept_rows: x.kept.map_or(0, |(_, n)| n),
         })
     }
 
@@ -439,6 +467,45 @@ impl LmHead {
             Ok(crate::tune::Trial { ms, check: sample_dtoh(stream, &*out, "tuning dW", |x| x.to_f64())? })
         })?;
         Ok((cfg_dl, cfg_dh, cfg_dw))
+    }
+}
+
+/// The rows `[prefix, t)` of a backward whose first `prefix` rows read kept logits: views of the
+/// inputs the recompute reads and of the staging rows it writes.
+struct RestRows<'a> {
+    h: Dev<'a>,
+    labels: Labels<'a>,
+    lse: Dev<'a>,
+    gl: Option<Dev<'a>>,
+    ge: Option<(Dev<'a>, Dev<'a>)>,
+    staging: Dev<'a>,
+    t: usize,
+}
+
+impl<'a> RestRows<'a> {
+    fn of<'b>(x: &'b BwdDev<'a, 'b>, prefix: usize, staging: &'b Dev<'a>, stride: usize) -> Result<RestRows<'b>> {
+        let (t, d) = (x.p.t, x.p.d);
+        let n = t - prefix;
+        let lab = x.x.labels;
+        Ok(RestRows {
+            h: x.x.h.sub(prefix * d, n * d, 2)?,
+            labels: Labels { dev: lab.dev.sub(prefix, n, lab.elem())?, kind: lab.kind },
+            lse: x.g.lse.sub(prefix, n, 4)?,
+            gl: x.g.grad_logprob.map(|g| g.sub(prefix, n, 4)).transpose()?,
+            ge: match x.g.ent {
+                Some((g, e)) => Some((g.sub(prefix, n, 4)?, e.sub(prefix, n, 4)?)),
+                None => None,
+            },
+            staging: staging.sub(prefix * stride, n * stride, 2)?,
+            t: n,
+        })
+    }
+
+    /// The recomputed d-logits of these rows for one chunk.
+    fn dlogits(&self, gpu: &crate::device::Gpu, stream: &Arc<CudaStream>, cfg: TileConfig, x: &BwdDev, ch: Chunk) -> Result<()> {
+        let xr = LogitsIn { dims: Dims { t: self.t, ..x.x.dims }, sc: x.x.sc, h: &self.h, w: x.x.w, labels: &self.labels };
+        let g = DlogitsIn { lse: &self.lse, grad_logprob: self.gl.as_ref(), ent: self.ge.as_ref().map(|(a, b)| (a, b)) };
+        launch::bwd_dlogits(gpu, stream, cfg, &xr, ch, &g, &self.staging)
     }
 }
 

@@ -1,5 +1,10 @@
 //! The CPU backend: the f64 reference behind the same validation as the GPU path, for machines
 //! without a GPU (and as the oracle of the tests). Results are returned in f32 like the GPU's.
+//!
+//! Kept logits ([`crate::keep`]): the forward keeps the rows `FwdOptions::keep_logits` says, as
+//! the GPU does (the raw dot products, f32, `[rows][stride]`, in [`CpuFwd::kept`]); the backward
+//! checks what it is given ([`CpuGrads::kept`]) as the GPU does and then computes every row in
+//! f64 (the kept values are not read: the f64 recompute is exact where f32 logits are not).
 
 use lmhead_core::Problem;
 use lmhead_reference as reference;
@@ -29,6 +34,9 @@ pub struct CpuGrads<'a> {
     pub entropy: Option<&'a [f32]>,
     pub grad_logprob: Option<&'a [f32]>,
     pub grad_entropy: Option<&'a [f32]>,
+    /// The forward's kept logits and their rows ([`CpuFwd::kept`], [`CpuFwd::kept_rows`]):
+    /// validated as on the GPU, not read.
+    pub kept: Option<(&'a [f32], usize)>,
 }
 
 /// Forward outputs on the host.
@@ -37,6 +45,10 @@ pub struct CpuFwd {
     pub logprob: Vec<f32>,
     pub lse: Vec<f32>,
     pub entropy: Option<Vec<f32>>,
+    /// The kept logits ([`crate::keep`]): rows `[0, kept_rows)`, `keep::stride(v)` f32 each
+    /// (padding columns 0); empty without the mode.
+    pub kept: Vec<f32>,
+    pub kept_rows: usize,
 }
 
 fn check_len(what: &'static str, got: usize, expected: usize) -> Result<()> {
@@ -95,7 +107,44 @@ pub fn forward(x: &CpuInputs, opts: &FwdOptions, entropy: bool) -> Result<CpuFwd
     let (hb, wb) = (bits(x.h), bits(x.w));
     let r = reference::forward(&inputs(&hb, &wb, x.labels, x.problem, shard, opts.temperature, opts.ignore_index));
     let f = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<_>>();
-    Ok(CpuFwd { logprob: f(&r.logprob), lse: f(&r.lse), entropy: entropy.then(|| f(&r.entropy)) })
+    let (kept, kept_rows) = keep(x, opts)?;
+    Ok(CpuFwd { logprob: f(&r.logprob), lse: f(&r.lse), entropy: entropy.then(|| f(&r.entropy)), kept, kept_rows })
+}
+
+/// The kept logits of a forward (`crate::keep`): the raw dot products of the rows the budget
+/// keeps, accumulated in f64 and rounded to f32.
+fn keep(x: &CpuInputs, opts: &FwdOptions) -> Result<(Vec<f32>, usize)> {
+    let p = x.problem;
+    let rows = crate::keep::rows(p.t, p.v, opts.keep_logits);
+    if rows > 0 && opts.naive() {
+        return Err(Error::Invalid("the naive forward keeps no logits (keep_logits must be 0)".into()));
+    }
+    let stride = crate::keep::stride(p.v);
+    let mut out = vec![0.0f32; rows * stride];
+    for (r, row) in out.chunks_mut(stride.max(1)).enumerate().take(rows) {
+        let h = &x.h[r * p.d..(r + 1) * p.d];
+        for (j, o) in row.iter_mut().take(p.v).enumerate() {
+            let w = &x.w[j * p.d..(j + 1) * p.d];
+            *o = h.iter().zip(w).map(|(a, b)| a.to_f64() * b.to_f64()).sum::<f64>() as f32;
+        }
+    }
+    Ok((out, rows))
+}
+
+/// What a backward is given of kept logits, checked as the GPU checks it (`validate::bwd`).
+fn check_kept(p: Problem, kept: Option<(&[f32], usize)>) -> Result<()> {
+    let Some((k, rows)) = kept else { return Ok(()) };
+    if rows > p.t {
+        return Err(Error::Invalid(format!("the kept logits hold {rows} rows, the call has {}", p.t)));
+    }
+    if rows != p.t && !rows.is_multiple_of(crate::keep::ROW_ALIGN) {
+        return Err(Error::Invalid(format!("kept rows ({rows}) must be all t = {} rows or a multiple of {}", p.t, crate::keep::ROW_ALIGN)));
+    }
+    let need = rows * crate::keep::stride(p.v);
+    if k.len() < need {
+        return Err(Error::Length { what: "kept logits", expected: need, got: k.len() });
+    }
+    Ok(())
 }
 
 /// Backward on the CPU: `(dh [t][d], dW [v][d])` in f32.
@@ -111,9 +160,10 @@ fn to_f32(v: Vec<f64>) -> Vec<f32> {
 /// The backward over one vocab shard in f64: the shard's `dW` rows and its partial `dh` (the
 /// whole `dh` for the whole vocabulary).
 fn backward_shard(x: &CpuInputs, shard: Shard, g: &CpuGrads, opts: &BwdOptions) -> Result<reference::BwdRef> {
-    let CpuGrads { lse, entropy, grad_logprob, grad_entropy } = *g;
+    let CpuGrads { lse, entropy, grad_logprob, grad_entropy, kept } = *g;
     let p = x.problem;
     validate(x, shard, opts.temperature, opts.ignore_index)?;
+    check_kept(p, kept)?;
     check_len("lse", lse.len(), p.t)?;
     if grad_entropy.is_some() && entropy.is_none() {
         return Err(Error::Invalid("an entropy gradient needs the entropy saved by the forward".into()));
@@ -170,7 +220,9 @@ pub fn forward_tp(comm: &dyn HostComm, x: &CpuInputs, shard: Shard, opts: &FwdOp
         .collect();
     let r = reference::fwd::merge_shards(&[merged], labels, shard.v_total as i64, opts.ignore_index);
     let f = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<_>>();
-    Ok(CpuFwd { logprob: f(&r.logprob), lse: f(&r.lse), entropy: entropy.then(|| f(&r.entropy)) })
+    // Each rank keeps its shard's columns.
+    let (kept, kept_rows) = keep(x, opts)?;
+    Ok(CpuFwd { logprob: f(&r.logprob), lse: f(&r.lse), entropy: entropy.then(|| f(&r.entropy)), kept, kept_rows })
 }
 
 /// The tensor-parallel backward on the CPU: `lse` and `entropy` are the global values from

@@ -35,6 +35,9 @@ pub struct FwdOutputs<'a> {
     pub logprob: &'a mut dyn DevicePtrMut<f32>,
     pub lse: &'a mut dyn DevicePtrMut<f32>,
     pub entropy: Option<&'a mut dyn DevicePtrMut<f32>>,
+    /// The kept logits ([`FwdOptions::keep_logits`], [`crate::keep`]): f32, at least
+    /// [`crate::keep::len`] elements, 16-byte aligned; needed when the budget keeps any row.
+    pub kept: Option<&'a mut dyn DevicePtrMut<f32>>,
 }
 
 /// Options of the forward pass. Build them with `..Default::default()`: with the `testing`
@@ -65,6 +68,13 @@ pub struct FwdOptions {
     /// `check_labels`. Rows a call skips report log-prob 0, entropy 0 and lse `+∞`
     /// ([`FwdReport::rows`] says how many ran). Default [`Compaction::Auto`].
     pub compaction: Compaction,
+    /// Bytes of kept logits the call may write into [`FwdOutputs::kept`] for the backward
+    /// ([`crate::keep`]: `4 · rows · stride`, `stride = v` rounded up to 8): all rows when the
+    /// budget covers them, else a prefix of whole 128-row tiles ([`crate::keep::rows`]); the
+    /// backward recomputes the rest. Default 0: nothing is kept, and the call runs exactly the
+    /// kernels and memory of a forward without the mode. A forward whose result needs no
+    /// gradient should keep nothing.
+    pub keep_logits: usize,
 }
 
 impl Default for FwdOptions {
@@ -78,6 +88,7 @@ impl Default for FwdOptions {
             #[cfg(feature = "testing")]
             naive: false,
             compaction: Compaction::Auto,
+            keep_logits: 0,
         }
     }
 }
@@ -115,6 +126,9 @@ pub struct FwdReport {
     /// Rows the kernels ran: the active rows when the call compacted them ([`Compaction`];
     /// 0 when none was active and nothing ran), else `t`.
     pub rows: usize,
+    /// Rows `[0, kept_rows)` of the call whose logits the kept buffer holds ([`crate::keep`];
+    /// pass it to the backward's [`crate::keep::Kept`]). 0 without the mode.
+    pub kept_rows: usize,
 }
 
 /// A validated forward call as device buffers: the logits operands, the vocab shard, the
@@ -127,6 +141,8 @@ pub(crate) struct FwdDev<'a, 'b> {
     pub logprob: &'b Dev<'a>,
     pub lse: &'b Dev<'a>,
     pub entropy: Option<&'b Dev<'a>>,
+    /// Where the mainloop writes the kept logits (none without the mode).
+    pub kept: Option<launch::KeptOut<'a, 'b>>,
 }
 
 impl LmHead {
@@ -183,6 +199,10 @@ impl LmHead {
             Some(e) => Some(dev_out(e, stream, "entropy")?),
             None => None,
         };
+        let kept = match out.kept {
+            Some(k) => Some(dev_out(k, stream, "kept logits")?),
+            None => None,
+        };
         // Everything about the call is checked here, before the label check, the tuner or any
         // launch: a bad call tunes, caches and writes nothing.
         let call = validate::FwdCall {
@@ -195,12 +215,18 @@ impl LmHead {
             logprob: logprob.buf(4),
             lse: lse.buf(4),
             entropy: entropy.as_ref().map(|e| e.buf(4)),
+            kept: kept.as_ref().map(|k| k.buf(4)),
         };
         let inv_temp = validate::fwd(&call, opts)?;
+        let kept_rows = validate::kept_rows(&call, opts)?;
         let sc = Scalars { inv_temp, ignore_index: opts.ignore_index, v_begin: shard.v_begin as i64 };
         let dims = Dims { t: p.t, v: p.v, d: p.d };
         let x = LogitsIn { dims, sc, h: &h, w: &w, labels: &labels };
-        let f = FwdDev { x, shard, comm, logprob: &logprob, lse: &lse, entropy: entropy.as_ref() };
+        let kept = match (&kept, kept_rows) {
+            (Some(k), rows) if rows > 0 => Some(launch::KeptOut { buf: k, rows, stride: crate::keep::stride(p.v), map: None }),
+            _ => None,
+        };
+        let f = FwdDev { x, shard, comm, logprob: &logprob, lse: &lse, entropy: entropy.as_ref(), kept };
         // Under CUDA-graph capture nothing may wait for the device (see `capture.rs`).
         let capture = crate::capture::capturing(stream)?;
         let mut ws = self.call_ws(capture);
@@ -217,10 +243,11 @@ impl LmHead {
             }
             LabelCheck::Off => None,
         };
-        match active {
+        let report = match active {
             Some(n) => crate::active::forward(self, ws, stream, &f, opts, n),
             None => self.forward_dev(ws, stream, &f, opts),
-        }
+        };
+        report.map(|r| FwdReport { kept_rows, ..r })
     }
 
     /// The forward of a validated call on its device buffers, every row of `f` computed (the
@@ -232,12 +259,12 @@ impl LmHead {
         f: &FwdDev,
         opts: &FwdOptions,
     ) -> Result<FwdReport> {
-        let FwdDev { x, shard, comm, logprob, lse, entropy } = *f;
+        let FwdDev { x, shard, comm, logprob, lse, entropy, kept } = *f;
         let p = Problem::new(x.dims.t, x.dims.v, x.dims.d);
         let x = &x;
         if opts.naive() {
             launch::naive_fwd(&self.gpu, stream, x, logprob, lse, entropy)?;
-            return Ok(FwdReport { kernel: None, n_splits: 0, raster_group: 0, fill: 0, rows: p.t });
+            return Ok(FwdReport { kernel: None, n_splits: 0, raster_group: 0, fill: 0, rows: p.t, kept_rows: 0 });
         }
         let family = if entropy.is_some() { Family::FwdEnt } else { Family::Fwd };
         let cfg = self.fwd_config(stream, family, opts.choice(), p, x, comm.is_some())?;
@@ -245,7 +272,7 @@ impl LmHead {
         let plan = {
             let partials = ws.partials.get(&mut ws.src, stream, plan.blocks_per_row() as usize * p.t)?;
             let pd = dev_out(partials, stream, "partials")?;
-            launch::fwd_mainloop(&self.gpu, stream, x, entropy.is_some(), cfg, plan, &pd)?
+            launch::fwd_mainloop(&self.gpu, stream, x, entropy.is_some(), cfg, plan, &pd, kept.as_ref())?
         };
         let n_slots = plan.blocks_per_row();
         let (src, partials, status, row_state) = (&mut ws.src, &mut ws.partials, &mut ws.status, &mut ws.row_state);
@@ -281,6 +308,7 @@ impl LmHead {
             raster_group: plan.raster_group,
             fill: plan.fill,
             rows: p.t,
+            kept_rows: kept.map_or(0, |k| k.rows),
         })
     }
 
@@ -363,7 +391,7 @@ impl LmHead {
                        status: &mut cudarc::driver::CudaSlice<u32>|
              -> Result<()> {
                 let pd = dev_out(partials, stream, "tuning partials")?;
-                launch::fwd_mainloop(&self.gpu, stream, x, family == Family::FwdEnt, cfg, plan, &pd)?;
+                launch::fwd_mainloop(&self.gpu, stream, x, family == Family::FwdEnt, cfg, plan, &pd, None)?;
                 let od = dev_out(outs, stream, "tuning outputs")?;
                 let (lp, lse, ent) = (od.sub(0, p.t, 4)?, od.sub(p.t, p.t, 4)?, od.sub(2 * p.t, p.t, 4)?);
                 let sd = dev_out(status, stream, "tuning status")?;

@@ -47,6 +47,7 @@ mod borrowed;
 mod bwd;
 mod capture;
 pub mod cpu;
+pub mod keep;
 // `Gpu`'s helpers for the tests (registers, loaded kernels) are used only with `testing`.
 #[cfg_attr(not(feature = "testing"), allow(dead_code))]
 mod device;
@@ -267,13 +268,14 @@ impl LmHead {
                 &stream,
                 &x,
                 &FwdOptions::default(),
-                FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: entropy.then_some(&mut ent) },
+                FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: entropy.then_some(&mut ent) },
             )?;
             if backward {
                 let g = testing::upload(&stream, &vec![1.0f32; t])?;
                 let mut dh = workspace::zeros::<bf16>(&stream, t * d, "warm-up dh")?;
                 let mut dw = workspace::zeros::<bf16>(&stream, v * d, "warm-up dW")?;
                 let bx = BwdInputs {
+                    kept: None,
                     h: &h,
                     w: &w,
                     labels: &labels,

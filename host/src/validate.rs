@@ -94,6 +94,44 @@ pub struct FwdCall {
     pub logprob: Buf,
     pub lse: Buf,
     pub entropy: Option<Buf>,
+    /// The kept logits' buffer (f32, [`crate::keep`]).
+    pub kept: Option<Buf>,
+}
+
+/// Rows a forward call keeps ([`crate::keep::rows`] of its budget and local vocabulary), with
+/// its buffer checked: given where rows are kept, at least `rows · stride` elements, 16-byte
+/// aligned.
+pub fn kept_rows(c: &FwdCall, opts: &FwdOptions) -> Result<usize> {
+    let p = c.problem;
+    let rows = crate::keep::rows(p.t, p.v, opts.keep_logits);
+    if rows == 0 {
+        return Ok(0);
+    }
+    if opts.naive() {
+        return Err(Error::Invalid("the naive forward keeps no logits (keep_logits must be 0)".into()));
+    }
+    let Some(k) = &c.kept else {
+        return Err(Error::Invalid(format!(
+            "keep_logits = {} bytes keeps {rows} rows: give the kept-logits buffer ({} f32, lmhead::keep::len)",
+            opts.keep_logits,
+            rows * crate::keep::stride(p.v)
+        )));
+    };
+    kept_buf(k, rows, p.v)?;
+    Ok(rows)
+}
+
+/// A kept-logits buffer of `rows` rows over a local vocabulary of `v`: long enough, 16-byte
+/// aligned (the backward reads it in 16-byte vectors).
+fn kept_buf(k: &Buf, rows: usize, v: usize) -> Result<()> {
+    let need = rows * crate::keep::stride(v);
+    if k.len < need {
+        return Err(Error::Length { what: k.what, expected: need, got: k.len });
+    }
+    if !k.ptr.is_multiple_of(16) {
+        return Err(Error::Misaligned { what: k.what, align: 16 });
+    }
+    Ok(())
 }
 
 /// Validate a forward call; returns `1 / temperature`.
@@ -113,7 +151,9 @@ pub fn fwd(c: &FwdCall, opts: &FwdOptions) -> Result<f32> {
     if let Some(e) = &c.entropy {
         e.exact(p.t, 4)?;
     }
-    let outs: Vec<Buf> = [Some(c.logprob), Some(c.lse), c.entropy].into_iter().flatten().collect();
+    let kept = kept_rows(c, opts)?;
+    let kept_buf = if kept > 0 { c.kept.map(|k| Buf { len: kept * crate::keep::stride(p.v), ..k }) } else { None };
+    let outs: Vec<Buf> = [Some(c.logprob), Some(c.lse), c.entropy, kept_buf].into_iter().flatten().collect();
     no_overlap(&outs, &[c.h, c.w, c.labels])?;
     Ok(inv_temp)
 }
@@ -140,6 +180,8 @@ pub struct BwdCall {
     /// `dh` (element size 2 for bf16, 4 for f32).
     pub dh: Buf,
     pub dw: Option<Buf>,
+    /// The forward's kept logits and how many rows they hold ([`crate::keep::Kept`]).
+    pub kept: Option<(Buf, usize)>,
 }
 
 /// Validate a backward call; returns `1 / temperature`.
@@ -169,9 +211,26 @@ pub fn bwd(c: &BwdCall, opts: &BwdOptions) -> Result<f32> {
     if let Some(dw) = &c.dw {
         dw.exact(p.v * p.d, 2 * dw.elem)?;
     }
+    let mut kept_in = None;
+    if let Some((k, rows)) = c.kept {
+        if rows > p.t {
+            return Err(Error::Invalid(format!("the kept logits hold {rows} rows, the call has {}", p.t)));
+        }
+        if rows != p.t && !rows.is_multiple_of(crate::keep::ROW_ALIGN) {
+            return Err(Error::Invalid(format!(
+                "kept rows ({rows}) must be all t = {} rows or a multiple of {} (a forward's FwdReport::kept_rows)",
+                p.t,
+                crate::keep::ROW_ALIGN
+            )));
+        }
+        kept_buf(&k, rows, p.v)?;
+        kept_in = (rows > 0).then_some(Buf { len: rows * crate::keep::stride(p.v), ..k });
+    }
     let outs: Vec<Buf> = [Some(c.dh), c.dw].into_iter().flatten().collect();
-    let ins: Vec<Buf> =
-        [Some(c.h), Some(c.w), Some(c.labels), Some(c.lse), c.entropy, c.grad_logprob, c.grad_entropy].into_iter().flatten().collect();
+    let ins: Vec<Buf> = [Some(c.h), Some(c.w), Some(c.labels), Some(c.lse), c.entropy, c.grad_logprob, c.grad_entropy, kept_in]
+        .into_iter()
+        .flatten()
+        .collect();
     no_overlap(&outs, &ins)?;
     Ok(inv_temp)
 }

@@ -60,7 +60,7 @@ fn bad_inputs_are_typed_errors_and_leave_buffers_untouched() {
         &FwdInputs { h: &s.h, w: &s.w, labels: &s.labels, problem: p },
         Shard { v_begin: 10, v_total: v },
         &o,
-        FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: None },
+        FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: None },
     );
     assert!(matches!(r, Err(Error::Invalid(_))), "{r:?}");
     // Backward: entropy gradient without the saved entropy; bad chunk width.
@@ -70,6 +70,7 @@ fn bad_inputs_are_typed_errors_and_leave_buffers_untouched() {
     let mut dw: CudaSlice<bf16> = stream.alloc_zeros(v * d).unwrap();
     poison(&stream, &mut dh).unwrap();
     let bx = BwdInputs {
+        kept: None,
         h: &s.h,
         w: &s.w,
         labels: &s.labels,
@@ -81,7 +82,7 @@ fn bad_inputs_are_typed_errors_and_leave_buffers_untouched() {
     };
     let r = head.backward(&stream, &bx, &BwdOptions::default(), GradOut::Bf16(&mut dh), Some(GradOut::Bf16(&mut dw)));
     assert!(matches!(r, Err(Error::Invalid(_))), "{r:?}");
-    let bx = BwdInputs { grad_entropy: None, grad_logprob: Some(&g), ..bx };
+    let bx = BwdInputs { kept: None, grad_entropy: None, grad_logprob: Some(&g), ..bx };
     let r = head.backward(
         &stream,
         &bx,
@@ -123,7 +124,7 @@ fn buffers_from_another_context_are_refused() {
         &stream2,
         &FwdInputs { h: &s.h, w: &s.w, labels: &s.labels, problem: Problem::new(t, v, d) },
         &FwdOptions::default(),
-        FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: None },
+        FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: None },
     );
     assert!(matches!(r, Err(Error::WrongContext { what: "stream" })), "{r:?}");
 }
@@ -171,7 +172,12 @@ fn cold_cache_bad_inputs_are_refused_before_tuning() {
         for b in [&mut *lp, &mut *lse, &mut *ent] {
             poison(&stream, b).unwrap();
         }
-        let r = head.forward(&stream, &FwdInputs { h, w, labels: l, problem: p }, o, FwdOutputs { logprob: lp, lse, entropy: Some(ent) });
+        let r = head.forward(
+            &stream,
+            &FwdInputs { h, w, labels: l, problem: p },
+            o,
+            FwdOutputs { kept: None, logprob: lp, lse, entropy: Some(ent) },
+        );
         let written = [&*lp, &*lse, &*ent].iter().any(|b| !untouched(&download_f32(&stream, b).unwrap()));
         (r, written)
     };
@@ -227,7 +233,7 @@ fn cold_cache_bad_inputs_are_refused_before_tuning() {
             &stream,
             &FwdInputs { h: &s.h, w: &s.w, labels: &s.labels, problem: p },
             &auto,
-            FwdOutputs { logprob: &mut a, lse: &mut b, entropy: Some(&mut c) },
+            FwdOutputs { kept: None, logprob: &mut a, lse: &mut b, entropy: Some(&mut c) },
         );
         assert!(matches!(r, Err(Error::Length { what, .. }) if what == which), "{which}: {r:?}");
         no_tuning(which);
@@ -250,7 +256,7 @@ fn cold_cache_bad_inputs_are_refused_before_tuning() {
         &stream,
         &FwdInputs { h: &s.h, w: &s.w, labels: &s.labels, problem: p },
         &auto,
-        FwdOutputs { logprob: &mut o1, lse: &mut o2, entropy: None },
+        FwdOutputs { kept: None, logprob: &mut o1, lse: &mut o2, entropy: None },
     );
     assert!(matches!(r, Err(Error::Invalid(ref m)) if m.contains("overlaps")), "{r:?}");
     no_tuning("overlap");
@@ -259,6 +265,7 @@ fn cold_cache_bad_inputs_are_refused_before_tuning() {
     let g = upload(&stream, &vec![1.0f32; t]).unwrap();
     let g_short = upload(&stream, &vec![1.0f32; t - 1]).unwrap();
     let bx = BwdInputs {
+        kept: None,
         h: &s.h,
         w: &s.w,
         labels: &s.labels,
@@ -295,21 +302,23 @@ fn cold_cache_bad_inputs_are_refused_before_tuning() {
     };
     let full = (t * d, v * d);
     let run = |x: &BwdInputs<i64>, o: &BwdOptions, (dh_len, dw_len): (usize, usize)| bwd(x, o, dh_len, dw_len);
-    check_b("h", run(&BwdInputs { h: &h_short, ..bx }, &bo, full), |e| matches!(e, Error::Length { what: "h", .. }));
-    check_b("h align", run(&BwdInputs { h: &h_off, ..bx }, &bo, full), |e| matches!(e, Error::Misaligned { what: "h", .. }));
-    check_b("W", run(&BwdInputs { w: &w_short, ..bx }, &bo, full), |e| matches!(e, Error::Length { what: "W", .. }));
-    check_b("labels", run(&BwdInputs { labels: &l_short, ..bx }, &bo, full), |e| matches!(e, Error::Length { what: "labels", .. }));
-    check_b("lse", run(&BwdInputs { lse: &g_short, ..bx }, &bo, full), |e| matches!(e, Error::Length { what: "lse", .. }));
-    check_b("entropy", run(&BwdInputs { entropy: Some(&g_short), ..bx }, &bo, full), |e| {
+    check_b("h", run(&BwdInputs { kept: None, h: &h_short, ..bx }, &bo, full), |e| matches!(e, Error::Length { what: "h", .. }));
+    check_b("h align", run(&BwdInputs { kept: None, h: &h_off, ..bx }, &bo, full), |e| matches!(e, Error::Misaligned { what: "h", .. }));
+    check_b("W", run(&BwdInputs { kept: None, w: &w_short, ..bx }, &bo, full), |e| matches!(e, Error::Length { what: "W", .. }));
+    check_b("labels", run(&BwdInputs { kept: None, labels: &l_short, ..bx }, &bo, full), |e| {
+        matches!(e, Error::Length { what: "labels", .. })
+    });
+    check_b("lse", run(&BwdInputs { kept: None, lse: &g_short, ..bx }, &bo, full), |e| matches!(e, Error::Length { what: "lse", .. }));
+    check_b("entropy", run(&BwdInputs { kept: None, entropy: Some(&g_short), ..bx }, &bo, full), |e| {
         matches!(e, Error::Length { what: "entropy", .. })
     });
-    check_b("grad_logprob", run(&BwdInputs { grad_logprob: Some(&g_short), ..bx }, &bo, full), |e| {
+    check_b("grad_logprob", run(&BwdInputs { kept: None, grad_logprob: Some(&g_short), ..bx }, &bo, full), |e| {
         matches!(e, Error::Length { what: "grad_logprob", .. })
     });
-    check_b("grad_entropy", run(&BwdInputs { grad_entropy: Some(&g_short), ..bx }, &bo, full), |e| {
+    check_b("grad_entropy", run(&BwdInputs { kept: None, grad_entropy: Some(&g_short), ..bx }, &bo, full), |e| {
         matches!(e, Error::Length { what: "grad_entropy", .. })
     });
-    check_b("entropy missing", run(&BwdInputs { entropy: None, ..bx }, &bo, full), |e| matches!(e, Error::Invalid(_)));
+    check_b("entropy missing", run(&BwdInputs { kept: None, entropy: None, ..bx }, &bo, full), |e| matches!(e, Error::Invalid(_)));
     check_b("dh", run(&bx, &bo, (t * d - 2, v * d)), |e| matches!(e, Error::Length { what: "dh", .. }));
     check_b("dW", run(&bx, &bo, (t * d, v * d + 2)), |e| matches!(e, Error::Length { what: "dW", .. }));
     check_b("chunk 0", run(&bx, &BwdOptions { chunk: Some(0), ..bo.clone() }, full), |e| matches!(e, Error::Invalid(_)));

@@ -33,7 +33,7 @@ fn sanitizer_every_kernel_at_tail_shapes() {
             let mut ent: CudaSlice<f32> = stream.alloc_zeros(t).unwrap();
             let e = (fam == Family::FwdEnt).then_some(&mut ent);
             let x = FwdInputs { h: &s.h, w: &s.w, labels: &s.labels, problem: Problem::new(t, v, d) };
-            head.forward(&stream, &x, &o, FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: e.map(|e| e as _) }).unwrap();
+            head.forward(&stream, &x, &o, FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: e.map(|e| e as _) }).unwrap();
         }
     }
     // Backward: every d-logits candidate (with entropy) and every GEMM candidate, bf16 and f32.
@@ -43,6 +43,7 @@ fn sanitizer_every_kernel_at_tail_shapes() {
         let ent = upload(&stream, &vec![1.0f32; t]).unwrap();
         let g = upload(&stream, &vec![1.0f32; t]).unwrap();
         let bx = BwdInputs {
+            kept: None,
             h: &s.h,
             w: &s.w,
             labels: &s.labels,
@@ -76,6 +77,45 @@ fn sanitizer_every_kernel_at_tail_shapes() {
             bwd(cfg, c.bm as usize + 1, 4 * c.bk as usize + 6, c.bn as usize + 8, c.bk as usize + 3, false);
         }
     }
+    // Kept logits (`lmhead::keep`): every forward candidate's `_keep` twin at a tail shape with
+    // a partial budget (256 of 300 rows) and compacted ignored rows, then the backward reading
+    // them (the kept kernel's vector loads at chunk starts that are multiples of 8, its scalar
+    // loads at starts that are not, the rest of the rows recomputed).
+    for (i, &c) in Family::FwdEnt.candidates().iter().enumerate() {
+        let (t, v, d) = (300, 2 * c.bn as usize + 3, c.bk as usize + 8);
+        let mut s = setup(&stream, t, v, d, 3);
+        let labels: Vec<i64> = (0..t).map(|r| if r % 5 == 0 { lmhead_reference::IGNORE_INDEX } else { (r * 31 % v) as i64 }).collect();
+        s.labels = upload(&stream, &labels).unwrap();
+        let budget = 4 * 299 * lmhead::keep::stride(v);
+        let mut kept: CudaSlice<f32> = stream.alloc_zeros(lmhead::keep::len(t, v, budget)).unwrap();
+        let compaction = if i % 2 == 0 { lmhead::Compaction::Always } else { lmhead::Compaction::Off };
+        let o = FwdOptions { config: Choice::Fixed(c), keep_logits: budget, compaction, ..Default::default() };
+        let (mut lp, mut lse, mut ent): (CudaSlice<f32>, CudaSlice<f32>, CudaSlice<f32>) =
+            (stream.alloc_zeros(t).unwrap(), stream.alloc_zeros(t).unwrap(), stream.alloc_zeros(t).unwrap());
+        let x = FwdInputs { h: &s.h, w: &s.w, labels: &s.labels, problem: Problem::new(t, v, d) };
+        let r = head
+            .forward(&stream, &x, &o, FwdOutputs { kept: Some(&mut kept), logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) })
+            .unwrap();
+        assert_eq!(r.kept_rows, 256);
+        let g = upload(&stream, &vec![1.0f32; t]).unwrap();
+        for chunk in [v / 2 + 1, 64] {
+            let bx = BwdInputs {
+                kept: Some(lmhead::keep::Kept { logits: &kept, rows: r.kept_rows }),
+                h: &s.h,
+                w: &s.w,
+                labels: &s.labels,
+                lse: &lse,
+                entropy: Some(&ent),
+                grad_logprob: Some(&g),
+                grad_entropy: Some(&g),
+                problem: Problem::new(t, v, d),
+            };
+            let bo = BwdOptions { chunk: Some(chunk), config: BwdConfigs::all(Choice::Fallback), compaction, ..Default::default() };
+            let mut dh: CudaSlice<bf16> = stream.alloc_zeros(t * d).unwrap();
+            let mut dw: CudaSlice<bf16> = stream.alloc_zeros(v * d).unwrap();
+            head.backward(&stream, &bx, &bo, GradOut::Bf16(&mut dh), Some(GradOut::Bf16(&mut dw))).unwrap();
+        }
+    }
     // Tensor-parallel merge steps (two ranks, one thread each) and the bf16 dh reduction + cast.
     let comms = LocalComm::group(2);
     std::thread::scope(|sc| {
@@ -95,12 +135,20 @@ fn sanitizer_every_kernel_at_tail_shapes() {
                 let mut ent: CudaSlice<f32> = stream.alloc_zeros(t).unwrap();
                 let x = FwdInputs { h: &h, w: &w, labels: &labels, problem: p };
                 let o = FwdOptions { config: Choice::Fallback, ..Default::default() };
-                head.forward_tp(comm, &stream, &x, shard, &o, FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) })
-                    .unwrap();
+                head.forward_tp(
+                    comm,
+                    &stream,
+                    &x,
+                    shard,
+                    &o,
+                    FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) },
+                )
+                .unwrap();
                 let g = upload(&stream, &vec![1.0f32; t]).unwrap();
                 let mut dh: CudaSlice<bf16> = stream.alloc_zeros(t * d).unwrap();
                 let mut dw: CudaSlice<bf16> = stream.alloc_zeros(len * d).unwrap();
                 let bx = BwdInputs {
+                    kept: None,
                     h: &h,
                     w: &w,
                     labels: &labels,
@@ -166,17 +214,23 @@ fn compaction_at_tail_shapes(head: &LmHead, stream: &Arc<CudaStream>) {
     let outs = |n: usize| -> Vec<CudaSlice<f32>> { (0..3).map(|_| stream.alloc_zeros(n).unwrap()).collect() };
     let mut o = outs(t);
     let [lp, lse, ent] = &mut o[..] else { unreachable!() };
-    head.forward(stream, &FwdInputs { h: &s.h, w: &s.w, labels: &l32, problem: p }, &fo, FwdOutputs { logprob: lp, lse, entropy: None })
-        .unwrap();
+    head.forward(
+        stream,
+        &FwdInputs { h: &s.h, w: &s.w, labels: &l32, problem: p },
+        &fo,
+        FwdOutputs { kept: None, logprob: lp, lse, entropy: None },
+    )
+    .unwrap();
     let r = head.forward(
         stream,
         &FwdInputs { h: &s.h, w: &s.w, labels: &l64, problem: p },
         &fo,
-        FwdOutputs { logprob: lp, lse, entropy: Some(ent) },
+        FwdOutputs { kept: None, logprob: lp, lse, entropy: Some(ent) },
     );
     assert!(r.unwrap().rows < t, "the forward compacted");
     let g = upload(stream, &vec![1.0f32; t]).unwrap();
     let bx = BwdInputs {
+        kept: None,
         h: &s.h,
         w: &s.w,
         labels: &l32,
@@ -194,6 +248,7 @@ fn compaction_at_tail_shapes(head: &LmHead, stream: &Arc<CudaStream>) {
     let mut dw32: CudaSlice<f32> = stream.alloc_zeros(v * d).unwrap();
     let mut dh_view = dh32.slice_mut(2..);
     let bx = BwdInputs {
+        kept: None,
         h: &s.h,
         w: &s.w,
         labels: &l64,
@@ -221,9 +276,10 @@ fn compaction_at_tail_shapes(head: &LmHead, stream: &Arc<CudaStream>) {
                 let [lp, lse, ent] = &mut o[..] else { unreachable!() };
                 let x = FwdInputs { h: &h, w: &w, labels: &lab, problem: p };
                 let fo = FwdOptions { config: Choice::Fallback, compaction: Compaction::Always, ..Default::default() };
-                head.forward_tp(comm, &stream, &x, shard, &fo, FwdOutputs { logprob: lp, lse, entropy: Some(ent) }).unwrap();
+                head.forward_tp(comm, &stream, &x, shard, &fo, FwdOutputs { kept: None, logprob: lp, lse, entropy: Some(ent) }).unwrap();
                 let g = upload(&stream, &vec![1.0f32; t]).unwrap();
                 let bx = BwdInputs {
+                    kept: None,
                     h: &h,
                     w: &w,
                     labels: &lab,
@@ -276,13 +332,14 @@ fn tuning_never_touches_caller_buffers_and_agrees_with_fallback() {
     // The tuned call: no retuning, and the fallback's answer.
     let p = Problem::new(t, v, d);
     let x = FwdInputs { h: &s.h, w: &s.w, labels: &s.labels, problem: p };
-    let r =
-        head.forward(&stream, &x, &FwdOptions::default(), FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) }).unwrap();
+    let r = head
+        .forward(&stream, &x, &FwdOptions::default(), FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) })
+        .unwrap();
     assert_eq!(head.tuner().entries().len(), tuned, "a call in a warmed-up bucket must not retune");
     let (mut lp2, mut lse2, mut ent2): (CudaSlice<f32>, CudaSlice<f32>, CudaSlice<f32>) =
         (stream.alloc_zeros(t).unwrap(), stream.alloc_zeros(t).unwrap(), stream.alloc_zeros(t).unwrap());
     let fb = FwdOptions { config: Choice::Fallback, ..Default::default() };
-    head.forward(&stream, &x, &fb, FwdOutputs { logprob: &mut lp2, lse: &mut lse2, entropy: Some(&mut ent2) }).unwrap();
+    head.forward(&stream, &x, &fb, FwdOutputs { kept: None, logprob: &mut lp2, lse: &mut lse2, entropy: Some(&mut ent2) }).unwrap();
     let (a, b) = (download_f32(&stream, &lp).unwrap(), download_f32(&stream, &lp2).unwrap());
     let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f64, f64::max);
     assert!(worst < 1e-4, "tuned {:?} vs fallback log-probs differ by {worst}", r.kernel);
@@ -295,6 +352,7 @@ fn tuning_never_touches_caller_buffers_and_agrees_with_fallback() {
         let mut dh: CudaSlice<f32> = stream.alloc_zeros(t * d).unwrap();
         let mut dw: CudaSlice<f32> = stream.alloc_zeros(v * d).unwrap();
         let bx = BwdInputs {
+            kept: None,
             h: &s.h,
             w: &s.w,
             labels: &s.labels,

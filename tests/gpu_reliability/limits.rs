@@ -57,6 +57,7 @@ fn out_of_memory_is_an_error() {
     let mut dh: CudaSlice<bf16> = stream.alloc_zeros(t * d).unwrap();
     let mut dw: CudaSlice<bf16> = stream.alloc_zeros(v * d).unwrap();
     let bx = BwdInputs {
+        kept: None,
         h: &s.h,
         w: &s.w,
         labels: &s.labels,
@@ -118,7 +119,7 @@ fn large_indices_past_2_pow_31() {
             &stream,
             &FwdInputs { h: &h, w: &w, labels: &lab, problem: p },
             &o,
-            FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) },
+            FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) },
         )
         .unwrap();
         let glp = download_f32(&stream, &lp).unwrap();
@@ -138,7 +139,17 @@ fn large_indices_past_2_pow_31() {
         let mut dh: CudaSlice<bf16> = stream.alloc_zeros(t * d).unwrap();
         let mut dw: CudaSlice<f32> = stream.alloc_zeros(v * d).unwrap();
         poison(&stream, &mut dw).unwrap();
-        let bx = BwdInputs { h: &h, w: &w, labels: &lab, lse: &lse, entropy: None, grad_logprob: Some(&g), grad_entropy: None, problem: p };
+        let bx = BwdInputs {
+            kept: None,
+            h: &h,
+            w: &w,
+            labels: &lab,
+            lse: &lse,
+            entropy: None,
+            grad_logprob: Some(&g),
+            grad_entropy: None,
+            problem: p,
+        };
         let bo = BwdOptions { chunk: Some(chunk), config: BwdConfigs::all(Choice::Fallback), ..Default::default() };
         head.backward(&stream, &bx, &bo, GradOut::Bf16(&mut dh), Some(GradOut::F32(&mut dw))).unwrap();
         let gdw = download_f32(&stream, &dw).unwrap();

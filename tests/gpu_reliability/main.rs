@@ -54,7 +54,7 @@ fn fwd_raw(
     for b in [&mut lp, &mut lse, &mut ent] {
         poison(stream, b).unwrap();
     }
-    let r = head.forward(stream, x, opts, FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) });
+    let r = head.forward(stream, x, opts, FwdOutputs { kept: None, logprob: &mut lp, lse: &mut lse, entropy: Some(&mut ent) });
     (r, download_f32(stream, &lp).unwrap(), download_f32(stream, &ent).unwrap())
 }
 

@@ -114,7 +114,7 @@ fn test(extra: &[String]) -> Result<(), String> {
 }
 
 /// The test binaries that need a GPU (the rest run in CI).
-const GPU_TESTS: [&str; 7] = ["gpu_fwd", "gpu_bwd", "gpu_active", "gpu_capture", "tp", "gpu_reliability", "gpu_units"];
+const GPU_TESTS: [&str; 8] = ["gpu_fwd", "gpu_bwd", "gpu_active", "gpu_keep", "gpu_capture", "tp", "gpu_reliability", "gpu_units"];
 
 fn bundle() -> Result<(), String> {
     let out = root().join(".gpu");

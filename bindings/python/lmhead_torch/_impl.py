@@ -48,6 +48,8 @@ class _Cfg:
     label_check: int = 0
     # The torch implementation (a CUDA device the library does not support).
     fallback: bool = False
+    # Kept logits (``keep_logits``): a byte budget, -1 = every row, 0 = off (``_keep_rows``).
+    keep: int = 0
 
     def v_total(self, v: int) -> int:
         return self.tp.v_total if self.tp is not None else v
@@ -108,10 +110,46 @@ def _oov_to_ignore(labels: torch.Tensor, cfg: _Cfg, v: int) -> torch.Tensor:
     return labels.masked_fill(oov, cfg.ignore_index)
 
 
+_KEEP_ROW_ALIGN = 128
+
+
+def _keep_stride(v: int) -> int:
+    """Row stride (f32 elements) of the kept logits over a local vocabulary of ``v``
+    (``lmhead::keep::stride``)."""
+    return (v + 7) // 8 * 8
+
+
+def _keep_rows(t, v: int, budget: int):
+    """Rows of a ``t``-token call that a budget of ``budget`` bytes keeps (-1: every row), as
+    ``lmhead::keep::rows`` says: all rows when they fit, else whole 128-row tiles. ``t`` may be
+    symbolic (torch.compile)."""
+    if budget == 0:
+        return 0
+    if budget < 0:
+        return t
+    fit = budget // (4 * _keep_stride(v))
+    return t if fit >= t else fit // _KEEP_ROW_ALIGN * _KEEP_ROW_ALIGN
+
+
+def _keeps(h: torch.Tensor, w: torch.Tensor, cfg: _Cfg) -> bool:
+    """Whether a call of ``cfg`` on these operands keeps logits: the mode is on, the native
+    kernels run (CUDA, bf16 path; the CPU backend, ``precision="split"`` and the torch fallback
+    recompute), and at least one row fits."""
+    if cfg.keep == 0 or h.device.type != "cuda" or cfg.fallback or _is_split(h, w, cfg):
+        return False
+    return True
+
+
 def _forward(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, cfg: _Cfg):
     """``(logprob, lse, entropy or None, h_b, w_b)`` for 2-D ``h``, ``w`` (any float dtype):
     f32 ``[t]`` outputs, and the bf16 roundings of fp32/fp16 operands under ``precision="bf16"``
-    (None for bf16 operands and under ``"split"``), which the backward reads."""
+    (None for bf16 operands and under ``"split"``), which the backward reads. Keeps nothing."""
+    return _forward_keep(h, w, labels, cfg, False)[:5]
+
+
+def _forward_keep(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, cfg: _Cfg, keep: bool):
+    """``_forward``'s outputs and the kept logits (``keep`` and ``_keeps``: f32
+    ``[rows · stride]``, else None; the rows are ``_keep_rows(t, v, cfg.keep)``)."""
     t, d = h.shape
     v = w.shape[0]
     dev = h.device
@@ -119,12 +157,12 @@ def _forward(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, cfg: _Cfg):
     lse = torch.empty(t, dtype=torch.float32, device=dev)
     ent = torch.empty(t, dtype=torch.float32, device=dev) if cfg.entropy else None
     if t == 0:
-        return lp, lse, ent, None, None
+        return lp, lse, ent, None, None, None
     if cfg.oov_zero:
         labels = _oov_to_ignore(labels, cfg, v)
     if cfg.fallback:
         _forward_torch(h, w, labels, cfg, lp, lse, ent)
-        return lp, lse, ent, None, None
+        return lp, lse, ent, None, None, None
     h_b = w_b = None
     if _is_split(h, w, cfg):
         hb, wb, k = _split_operands(h, w)
@@ -135,25 +173,34 @@ def _forward(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, cfg: _Cfg):
         w_b = wb if wb is not w else None
         k = 1
     sc = (cfg.temperature, cfg.ignore_index, cfg.v_begin(), cfg.v_total(v))
+    kept = None
     if dev.type == "cuda":
         mode = 1 if (cfg.label_check == 0 and _capturing()) else cfg.label_check
+        karg = None
+        if keep and _keeps(h, w, cfg):
+            rows = _keep_rows(t, v, cfg.keep)
+            if rows > 0:
+                kept = torch.empty(rows * _keep_stride(v), dtype=torch.float32, device=dev)
+                budget = (1 << 64) - 1 if cfg.keep < 0 else cfg.keep
+                karg = (kept.data_ptr(), kept.numel(), budget)
         with _on_device(dev, cfg.tp is not None):
             _ensure_device(dev.index)
             comm = cfg.tp.cuda_comm(dev) if cfg.tp is not None else None
             target = (dev.index, _raw_stream(dev))
-            _call(_native.gpu_forward, target, _fwd_bufs(hb, wb, labels, k * d, lp, lse, ent), (*sc, mode), comm)
+            _call(_native.gpu_forward, target, _fwd_bufs(hb, wb, labels, k * d, lp, lse, ent), (*sc, mode), comm, karg)
     else:
         lab64 = labels.to(torch.int64).contiguous()
         comm = cfg.tp.host_comm() if cfg.tp is not None else None
         bufs = _fwd_bufs(hb.view(torch.int16), wb.view(torch.int16), lab64, k * d, lp, lse, ent)
         _call(_native.cpu_forward, bufs, (*sc, 0), comm)
-    return lp, lse, ent, h_b, w_b
+    return lp, lse, ent, h_b, w_b, kept
 
 
-def _backward(h, w, h_b, w_b, labels, lse, ent, g_lp, g_ent, need_dw: bool, cfg: _Cfg):
+def _backward(h, w, h_b, w_b, labels, lse, ent, g_lp, g_ent, need_dw: bool, cfg: _Cfg, kept=None):
     """``(dh in h.dtype, dW in w.dtype or None)`` for 2-D ``h``, ``w``: the native backward on the
     bf16 operands (``h_b``/``w_b``: the forward's roundings, or None), ``_backward_chunked`` for
-    ``precision="split"`` and the torch fallback."""
+    ``precision="split"`` and the torch fallback. ``kept``: the forward's kept logits (or None,
+    or empty), whose rows are ``_keep_rows(t, v, cfg.keep)``."""
     t, d = h.shape
     v = w.shape[0]
     dev = h.device
@@ -192,7 +239,10 @@ def _backward(h, w, h_b, w_b, labels, lse, ent, g_lp, g_ent, need_dw: bool, cfg:
             _ensure_device(dev.index)
             comm = tp.cuda_comm(dev) if tp is not None else None
             bufs = _bwd_bufs(hb, wb, labels_b, lse, ent if ge is not None else None, gl, ge, dh, dw)
-            _call(_native.gpu_backward, (dev.index, _raw_stream(dev)), bufs, sc, reduce, comm)
+            karg = None
+            if kept is not None and kept.numel() > 0:
+                karg = (kept.data_ptr(), kept.numel(), _keep_rows(t, v, cfg.keep))
+            _call(_native.gpu_backward, (dev.index, _raw_stream(dev)), bufs, sc, reduce, comm, karg)
     else:
         lab64 = labels_b.to(torch.int64).contiguous()
         comm = tp.host_comm() if tp is not None else None

@@ -199,6 +199,8 @@ struct FwdArgs {
     b: FwdBufs,
     opts: FwdOptions,
     shard: Shard,
+    /// The kept logits' buffer `(address, f32 elements)` (`FwdOptions::keep_logits` > 0).
+    kept: Option<(u64, usize)>,
 }
 
 impl Operands {
@@ -223,8 +225,16 @@ fn fwd_on<L: LabelType>(head: &LmHead, stream: &Arc<CudaStream>, a: &FwdArgs, co
             Borrowed::<f32>::new(entropy, if entropy == 0 { 0 } else { p.t }, stream),
         )
     };
+    // SAFETY: as above: the kept buffer holds `len` f32 of this device (the Python caller's
+    // contract), written only by this call.
+    let mut kept = a.kept.map(|(ptr, len)| unsafe { Borrowed::<f32>::new(ptr, len, stream) });
     let x = FwdInputs { h: &h, w: &w, labels: &labels, problem: p };
-    let out = FwdOutputs { logprob: &mut lp, lse: &mut lse, entropy: if entropy == 0 { None } else { Some(&mut ent) } };
+    let out = FwdOutputs {
+        kept: kept.as_mut().map(|k| k as &mut dyn lmhead::cudarc::driver::DevicePtrMut<f32>),
+        logprob: &mut lp,
+        lse: &mut lse,
+        entropy: if entropy == 0 { None } else { Some(&mut ent) },
+    };
     match comm {
         None if a.shard == Shard::whole(p.v) => head.forward(stream, &x, &a.opts, out).map(|_| ()),
         None => head.forward_tp(&NoComm, stream, &x, a.shard, &a.opts, out).map(|_| ()),
@@ -254,11 +264,22 @@ fn stream_of(head: &LmHead, raw: u64) -> Arc<CudaStream> {
 /// The fused forward on the GPU, on stream `target.1` of device `target.0`: writes `logprob`,
 /// `lse` and (when `entropy` is not 0) `entropy`, f32 `[t]` each (see [`FwdBufs`],
 /// [`Scalars`]). With `comm`, the vocab-parallel forward over this rank's shard
-/// `[v_begin, v_begin + v)` of `v_total`.
+/// `[v_begin, v_begin + v)` of `v_total`. With `kept = (address, f32 elements, budget bytes)`,
+/// the kept-logits mode (`lmhead::keep`; the buffer holds at least `keep::len` elements).
 #[pyfunction]
-fn gpu_forward(py: Python<'_>, target: Target, bufs: FwdBufs, sc: Scalars, comm: CommArg) -> PyResult<()> {
+#[pyo3(signature = (target, bufs, sc, comm, kept=None))]
+fn gpu_forward(
+    py: Python<'_>,
+    target: Target,
+    bufs: FwdBufs,
+    sc: Scalars,
+    comm: CommArg,
+    kept: Option<(u64, usize, usize)>,
+) -> PyResult<()> {
     let hd = head(py, target.0)?;
-    let a = FwdArgs { b: bufs, opts: sc.fwd_options()?, shard: sc.shard() };
+    let mut opts = sc.fwd_options()?;
+    opts.keep_logits = kept.map_or(0, |k| k.2);
+    let a = FwdArgs { b: bufs, opts, shard: sc.shard(), kept: kept.map(|k| (k.0, k.1)) };
     let comm = make_comm(comm);
     let r = py.detach(|| {
         let s = stream_of(&hd, target.1);
@@ -285,6 +306,8 @@ struct BwdArgs {
     shard: Shard,
     /// 0: single device; 1: tensor parallel, `dh` all-reduced; 2: tensor parallel, partial `dh`.
     reduce: u8,
+    /// The forward's kept logits `(address, f32 elements, rows)`.
+    kept: Option<(u64, usize, usize)>,
 }
 
 fn bwd_on<L: LabelType>(head: &LmHead, stream: &Arc<CudaStream>, a: &BwdArgs, comm: Option<&dyn Communicator>) -> lmhead::Result<()> {
@@ -317,7 +340,10 @@ fn bwd_on<L: LabelType>(head: &LmHead, stream: &Arc<CudaStream>, a: &BwdArgs, co
             Borrowed::<f32>::new(dw, dw_len, stream),
         )
     };
+    // SAFETY: as above: the kept logits hold `len` f32 of this device, unwritten meanwhile.
+    let kept = a.kept.map(|(ptr, len, rows)| (unsafe { Borrowed::<f32>::new(ptr, len, stream) }, rows));
     let x = BwdInputs {
+        kept: kept.as_ref().map(|(k, rows)| lmhead::keep::Kept { logits: k, rows: *rows }),
         h: &h,
         w: &w,
         labels: &labels,
@@ -355,11 +381,21 @@ fn backward_dispatch(head: &LmHead, stream: &Arc<CudaStream>, a: &BwdArgs, comm:
 /// (`[v, d]`) (see [`BwdBufs`], [`Scalars`]). `reduce`: 0 single device, 1 tensor parallel with
 /// `dh` all-reduced over `comm`, 2 tensor parallel leaving this rank's partial `dh` (Megatron's
 /// convention). A `v_total` above the ranks' vocabulary makes labels in `[Σ v, v_total)` match
-/// no row (their d-logits are `−p`).
+/// no row (their d-logits are `−p`). `kept = (address, f32 elements, rows)`: the logits the
+/// forward kept (`lmhead::keep::Kept`).
 #[pyfunction]
-fn gpu_backward(py: Python<'_>, target: Target, bufs: BwdBufs, sc: Scalars, reduce: u8, comm: CommArg) -> PyResult<()> {
+#[pyo3(signature = (target, bufs, sc, reduce, comm, kept=None))]
+fn gpu_backward(
+    py: Python<'_>,
+    target: Target,
+    bufs: BwdBufs,
+    sc: Scalars,
+    reduce: u8,
+    comm: CommArg,
+    kept: Option<(u64, usize, usize)>,
+) -> PyResult<()> {
     let hd = head(py, target.0)?;
-    let a = BwdArgs { b: bufs, opts: sc.bwd_options(), shard: sc.shard(), reduce };
+    let a = BwdArgs { b: bufs, opts: sc.bwd_options(), shard: sc.shard(), reduce, kept };
     let comm = make_comm(comm);
     let r = py.detach(|| {
         let s = stream_of(&hd, target.1);
@@ -387,7 +423,7 @@ fn time_reps(hd: &LmHead, stream: u64, reps: usize, call: impl Fn(&Arc<CudaStrea
 #[pyfunction]
 fn time_forward(py: Python<'_>, target: Target, bufs: FwdBufs, sc: Scalars, reps: usize) -> PyResult<Vec<f64>> {
     let hd = head(py, target.0)?;
-    let a = FwdArgs { b: bufs, opts: sc.fwd_options()?, shard: Shard::whole(bufs.0 .5) };
+    let a = FwdArgs { b: bufs, opts: sc.fwd_options()?, shard: Shard::whole(bufs.0 .5), kept: None };
     let r = py.detach(|| time_reps(&hd, target.1, reps, |s| forward_dispatch(&hd, s, &a, None)));
     finish(py, r)
 }
@@ -397,7 +433,7 @@ fn time_forward(py: Python<'_>, target: Target, bufs: FwdBufs, sc: Scalars, reps
 #[pyfunction]
 fn time_backward(py: Python<'_>, target: Target, bufs: BwdBufs, sc: Scalars, reps: usize) -> PyResult<Vec<f64>> {
     let hd = head(py, target.0)?;
-    let a = BwdArgs { b: bufs, opts: sc.bwd_options(), shard: Shard::whole(bufs.0 .5), reduce: 0 };
+    let a = BwdArgs { b: bufs, opts: sc.bwd_options(), shard: Shard::whole(bufs.0 .5), reduce: 0, kept: None };
     let r = py.detach(|| time_reps(&hd, target.1, reps, |s| backward_dispatch(&hd, s, &a, None)));
     finish(py, r)
 }
@@ -500,7 +536,7 @@ fn cpu_backward(py: Python<'_>, bufs: BwdBufs, sc: Scalars, reduce_dh: bool, com
         }
         let (ent, gl, ge) = (some(entropy, ent), some(grad_logprob, gl), some(grad_entropy, ge));
         let x = CpuInputs { h: hs, w: ws, labels: ls, problem: p };
-        let g = CpuGrads { lse: lse_s, entropy: ent, grad_logprob: gl, grad_entropy: ge };
+        let g = CpuGrads { lse: lse_s, entropy: ent, grad_logprob: gl, grad_entropy: ge, kept: None };
         let (dhv, dwv) = match &hc {
             None if shard == Shard::whole(p.v) => lmhead::cpu::backward(&x, &g, &opts)?,
             None => lmhead::cpu::backward_tp(&SingleHost, &x, shard, &g, &opts, false)?,

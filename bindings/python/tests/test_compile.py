@@ -124,10 +124,14 @@ def test_custom_ops_pass_opcheck(w_dtype):
     h = h.requires_grad_(True)
     cfg = _op._Cfg(1.0, -100, True, None, True)
     torch.library.opcheck(torch.ops.lmhead.forward.default, (h, w, labels, *_op._prims(cfg)))
-    lp, ent, lse, ent_s, h_b, w_b = torch.ops.lmhead.forward(h.detach(), w.detach(), labels, *_op._prims(cfg))
+    lp, ent, lse, ent_s, h_b, w_b, kept = torch.ops.lmhead.forward(h.detach(), w.detach(), labels, *_op._prims(cfg))
+    assert kept.numel() == 0, "nothing kept without keep_logits (and never on CPU tensors)"
     g = torch.randn(12)
-    args = (h.detach(), w.detach(), labels, lse, ent_s, g, g, h_b, w_b, True, *_op._prims(cfg))
+    args = (h.detach(), w.detach(), labels, lse, ent_s, g, g, h_b, w_b, kept, True, *_op._prims(cfg))
     torch.library.opcheck(torch.ops.lmhead.backward.default, args)
+    # With the mode on (CPU tensors keep nothing; the fake must say so too).
+    cfg_keep = _op._Cfg(1.0, -100, True, None, True, keep=-1)
+    torch.library.opcheck(torch.ops.lmhead.forward.default, (h, w, labels, *_op._prims(cfg_keep)))
 
 
 def test_the_custom_op_and_the_eager_function_agree():

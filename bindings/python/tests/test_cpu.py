@@ -457,3 +457,24 @@ def test_bench_calls_bind_to_the_internal_signatures():
         sig.bind(*range(len(c.args)), **{k.arg: None for k in c.keywords if k.arg})
         checked += 1
     assert checked >= 4, "expected the bench to call _impl._forward, _impl._backward and the buffer builders"
+
+
+def test_keep_logits_is_accepted_and_checked():
+    """``keep_logits`` on CPU tensors: accepted (the CPU backend recomputes in float64), the same
+    values and gradients; a bad value is a ValueError before anything runs."""
+    h, w, labels = _inputs(40, 300, 64)
+    outs = []
+    for keep in (None, True, 1 << 20):
+        hh, ww = h.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+        lp, ent = L.fused_linear_logprob(hh, ww, labels, keep_logits=keep)
+        (lp.sum() + ent.sum()).backward()
+        outs.append((lp.detach(), ent.detach(), hh.grad, ww.grad))
+    for o in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(o, outs[0]))
+    for bad in (-1, 1.5, "all"):
+        with pytest.raises(ValueError):
+            L.fused_linear_logprob(h, w, labels, keep_logits=bad)
+    assert _impl._keep_rows(300, 1000, -1) == 300
+    assert _impl._keep_rows(300, 1000, 4 * 1000 * 299) == 256
+    assert _impl._keep_rows(300, 1003, 4 * 1008 * 300) == 300
+    assert _impl._keep_rows(300, 1000, 4 * 1000 * 127) == 0

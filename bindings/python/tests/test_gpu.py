@@ -413,3 +413,29 @@ def test_bench_overhead_path_runs():
         assert k in res and math.isfinite(res[k]), (k, res)
     assert res["rust_fwd_us"] > 0 and res["binding_fwd_us"] > 0 and res["rust_torch_ws_bwd_us"] > 0
     print({k: round(v, 1) for k, v in res.items()})
+
+
+@pytest.mark.parametrize("keep", [True, 4 * 256 * 3000, 1], ids=["all", "256 rows", "none fit"])
+def test_keep_logits(keep):
+    """``keep_logits``: the same log-probs bit for bit, gradients within the usual bound of the
+    float64 reference and of the call without the mode (every row, whole tiles, none kept); under
+    ``torch.no_grad`` nothing is allocated for it."""
+    t, v, d = 700, 2997, 136
+    h, w, labels = _inputs(t, v, d, seed=41)
+    labels[::7] = IGNORE
+    g_lp, g_ent = _grads(t, 41)
+    lp0, ent0, dh0, dw0 = _run(h, w, labels, 0.9, g_lp, g_ent)
+    lp1, ent1, dh1, dw1 = _run(h, w, labels, 0.9, g_lp, g_ent, keep_logits=keep)
+    assert torch.equal(lp0, lp1) and torch.equal(ent0, ent1)
+    r = reference(h, w, labels, 0.9, g_lp=g_lp, g_ent=g_ent, rss=True)
+    _check_grads(dh1, dw1, r, what=f"keep={keep}")
+    assert rel_l2(dh1, dh0, r.rss_dh) <= BF16_REL_L2 and rel_l2(dw1, dw0, r.rss_dw) <= BF16_REL_L2
+    with torch.no_grad():
+        torch.cuda.reset_peak_memory_stats()
+        L.fused_linear_logprob(h, w, labels, 0.9)
+        plain = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        lp2, _ = L.fused_linear_logprob(h, w, labels, 0.9, keep_logits=True)
+        kept_bytes = 4 * t * ((v + 7) // 8 * 8)
+        assert torch.cuda.max_memory_allocated() - plain < kept_bytes // 4, "no_grad kept logits"
+    assert torch.equal(lp2, lp0)

@@ -26,7 +26,6 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 pub use lmhead_core::config::Module;
-use lmhead_core::config::{kernel_name, Family};
 
 pub type Result<T> = std::result::Result<T, String>;
 
@@ -163,11 +162,9 @@ cp "$obj" "$out.bc" && : > "$out"
 /// Threads per block of every entry point of `module`, from the candidate tables.
 pub fn entry_threads(module: Module) -> BTreeMap<String, u32> {
     let mut m = BTreeMap::new();
-    for f in Family::ALL {
-        for &c in f.candidates() {
-            if module.holds(c.mainloop) {
-                m.insert(kernel_name(f, c), c.threads());
-            }
+    for (name, c) in lmhead_core::config::tuned_entries() {
+        if module.holds(c.mainloop) {
+            m.insert(name, c.threads());
         }
     }
     for name in module.fixed() {
@@ -447,14 +444,7 @@ pub fn resource_table(res: &BTreeMap<String, Resources>, module: Module) -> (Str
 
 /// Dynamic shared memory of an entry, from its config.
 fn smem_of(name: &str) -> Option<usize> {
-    for f in Family::ALL {
-        for &c in f.candidates() {
-            if kernel_name(f, c) == name {
-                return Some(c.smem_bytes());
-            }
-        }
-    }
-    None
+    lmhead_core::config::tuned_entries().into_iter().find(|(n, _)| n == name).map(|(_, c)| c.smem_bytes())
 }
 
 #[cfg(test)]

@@ -54,6 +54,12 @@ impl Family {
         }
     }
 
+    /// Whether each candidate also has a `_keep` twin ([`keep_kernel_name`]): the forward's,
+    /// which also store the logits tiles they fold (`FwdOptions::keep_logits`).
+    pub const fn has_keep_twins(self) -> bool {
+        matches!(self, Family::Fwd | Family::FwdEnt)
+    }
+
     /// The family's portable config (index 0 of its candidates): what `Choice::Fallback` runs,
     /// and the rules' answer where nothing else fits the device.
     pub const fn fallback(self) -> TileConfig {
@@ -346,6 +352,28 @@ pub fn kernel_name(family: Family, cfg: TileConfig) -> std::string::String {
     std::format!("{}_{}", family.stem(), cfg.suffix(family))
 }
 
+/// The PTX entry name of the `_keep` twin of `family` at `cfg` (a forward that also writes
+/// the logits it folds into the kept buffer; [`Family::has_keep_twins`]).
+#[cfg(feature = "std")]
+pub fn keep_kernel_name(family: Family, cfg: TileConfig) -> std::string::String {
+    std::format!("{}_keep", kernel_name(family, cfg))
+}
+
+/// Every tuned entry point (candidates and their `_keep` twins) with its config.
+#[cfg(feature = "std")]
+pub fn tuned_entries() -> std::vec::Vec<(std::string::String, TileConfig)> {
+    let mut out = std::vec::Vec::new();
+    for f in Family::ALL {
+        for &c in f.candidates() {
+            out.push((kernel_name(f, c), c));
+            if f.has_keep_twins() {
+                out.push((keep_kernel_name(f, c), c));
+            }
+        }
+    }
+    out
+}
+
 /// Entry points that are not tuned: their names and the threads per block they are built for.
 pub mod fixed {
     /// Merges the per-split forward partials into lse, log-prob and entropy.
@@ -387,10 +415,15 @@ pub mod fixed {
     /// `tma_store` d-logits epilogue (`stmatrix` into 128B-swizzled boxes, TMA store), so a test
     /// can check the fragment layout, the swizzle and the clipping at the tensor's edges.
     pub const UNIT_TMA_STORE: &str = "lm_head_unit_tma_store";
+    /// The backward d-logits of the kept rows of a vocab chunk, from the kept logits instead of
+    /// a recomputed tile (log-prob gradient only): one block per (row, 2048 columns).
+    pub const DLOGITS_KEPT: &str = "lm_head_dlogits_kept";
+    /// As [`DLOGITS_KEPT`] with the entropy gradient term.
+    pub const DLOGITS_KEPT_ENT: &str = "lm_head_dlogits_kept_ent";
     /// Threads per block of the fixed kernels (the unit kernels run one warpgroup of them).
     pub const THREADS: u32 = 256;
     /// All fixed entry points.
-    pub const ALL: [&str; 16] = [
+    pub const ALL: [&str; 18] = [
         CHECK_LABELS,
         ACTIVE_COUNT,
         ACTIVE_PLACE,
@@ -402,6 +435,8 @@ pub mod fixed {
         FWD_FINISH,
         CAST_F32_BF16,
         NAIVE_FWD,
+        DLOGITS_KEPT,
+        DLOGITS_KEPT_ENT,
         UNIT_TMA_COPY,
         UNIT_WGMMA_N128,
         UNIT_WGMMA_N256,
@@ -410,7 +445,7 @@ pub mod fixed {
     ];
     /// The fixed entry points of the portable module ([`super::Module::Portable`]): all but the
     /// `Sm90` unit kernels (TMA, `wgmma`, `stmatrix`).
-    pub const PORTABLE: [&str; 11] = [
+    pub const PORTABLE: [&str; 13] = [
         CHECK_LABELS,
         ACTIVE_COUNT,
         ACTIVE_PLACE,
@@ -422,6 +457,8 @@ pub mod fixed {
         FWD_FINISH,
         CAST_F32_BF16,
         NAIVE_FWD,
+        DLOGITS_KEPT,
+        DLOGITS_KEPT_ENT,
     ];
 }
 
@@ -499,6 +536,9 @@ mod tests {
             for &c in f.candidates() {
                 assert!(c.is_well_formed(), "{f:?} {c:?}");
                 assert!(names.insert(kernel_name(f, c)), "duplicate name {}", kernel_name(f, c));
+                if f.has_keep_twins() {
+                    assert!(names.insert(keep_kernel_name(f, c)));
+                }
             }
         }
         for n in fixed::ALL {

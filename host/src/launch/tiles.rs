@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaEvent, CudaStream};
-use lmhead_core::config::{kernel_name, Family, TileConfig};
+use lmhead_core::config::{fixed, keep_kernel_name, kernel_name, Family, TileConfig};
 use lmhead_core::params::{GemmParams, LogitsParams};
 
 use super::tmap::{tma_maps_for, TmaOperand};
@@ -61,9 +61,43 @@ impl LogitsIn<'_, '_> {
     }
 }
 
+/// The kept logits of a call (`crate::keep`): `buf` holds `rows` rows of the caller's call,
+/// `stride` f32 each; a launch on compacted rows maps its row `i` to the caller's row `map[i]`
+/// (u32 `[launch rows]`; `None`: the identity). In the backward, the launch's rows
+/// `[0, prefix)` are read from it (their caller rows are below `rows`); the forward ignores
+/// `prefix`.
+#[derive(Clone, Copy)]
+pub struct KeptOut<'a, 'b> {
+    pub buf: &'b Dev<'a>,
+    pub rows: usize,
+    pub stride: usize,
+    pub map: Option<&'b Dev<'a>>,
+}
+
+impl KeptOut<'_, '_> {
+    /// The kept fields of a launch over `t` rows: the buffer holds `rows · stride` elements
+    /// (16-byte aligned), the map `t` rows.
+    fn fill(&self, t: usize, v: usize, p: &mut LogitsParams) -> Result<()> {
+        if !self.stride.is_multiple_of(8) || self.stride < v || self.rows > u32::MAX as usize || self.rows == 0 {
+            return Err(Error::Config(format!("kept logits: {} rows of stride {} for v = {v}", self.rows, self.stride)));
+        }
+        p.kept = self.buf.check(self.rows * self.stride, 16)?;
+        p.kept_stride = self.stride as u64;
+        p.kept_rows = self.rows as u32;
+        p.kept_map = match self.map {
+            Some(m) => m.check(t, 4)?,
+            None => 0,
+        };
+        Ok(())
+    }
+}
+
 /// The forward mainloop: writes `partials[slot][row]` for every slot of `plan` (a split's main
-/// block, then its filler: [`lmhead_core::split::SplitPlan::blocks_per_row`]) and row `< t`.
+/// block, then its filler: [`lmhead_core::split::SplitPlan::blocks_per_row`]) and row `< t`;
+/// with `kept`, the config's `_keep` twin, which also writes the raw logits of every row whose
+/// caller row is below `kept.rows` (columns `< v`, and padding columns up to the stride).
 /// Returns the plan as launched (`n_splits` from `tiles_per_split`).
+#[allow(clippy::too_many_arguments)]
 pub fn fwd_mainloop(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
@@ -72,6 +106,7 @@ pub fn fwd_mainloop(
     cfg: TileConfig,
     plan: lmhead_core::split::SplitPlan,
     partials: &Dev,
+    kept: Option<&KeptOut>,
 ) -> Result<lmhead_core::split::SplitPlan> {
     let family = if entropy { Family::FwdEnt } else { Family::Fwd };
     let (dims, sc, labels) = (x.dims, x.sc, x.labels);
@@ -103,6 +138,13 @@ pub fn fwd_mainloop(
         ..Default::default()
     };
     sc.fill(&mut p);
+    let name = match kept {
+        Some(k) => {
+            k.fill(dims.t, dims.v, &mut p)?;
+            keep_kernel_name(family, cfg)
+        }
+        None => kernel_name(family, cfg),
+    };
     let (maps, tmaps) = tma_maps_for(
         cfg,
         stream,
@@ -110,7 +152,7 @@ pub fn fwd_mainloop(
     )?;
     p.tmaps = tmaps;
     let grid = (dims.t.div_ceil(cfg.bm as usize) as u32, n_slots);
-    launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
+    launch(gpu, stream, &name, cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
     drop(maps);
     Ok(plan)
 }
@@ -207,6 +249,64 @@ pub fn bwd_dlogits(
     launch(gpu, stream, &kernel_name(family, cfg), cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
     drop(maps);
     Ok(())
+}
+
+/// Columns of a chunk one block of [`bwd_dlogits_kept`] covers: 8 per thread.
+pub const KEPT_BLOCK_COLS: usize = 8 * fixed::THREADS as usize;
+
+/// Backward d-logits of `chunk` for the launch's rows `[0, kept.prefix)` from the kept logits
+/// into `staging [prefix][chunk.stride]` (columns past the chunk zero), the same function of the
+/// same f32 logits as [`bwd_dlogits`]'s recompute. Reads `lse`, the gradients and the labels of
+/// those rows (`x.labels`, `g` may be longer); `h` and `W` are not read.
+pub fn bwd_dlogits_kept(
+    gpu: &Gpu,
+    stream: &Arc<CudaStream>,
+    x: &LogitsIn,
+    chunk: Chunk,
+    g: &DlogitsIn,
+    (kept, prefix): (&KeptOut, usize),
+    staging: &Dev,
+) -> Result<()> {
+    let (dims, sc, labels) = (x.dims, x.sc, x.labels);
+    let Chunk { begin: chunk_begin, width: chunk, stride } = chunk;
+    let DlogitsIn { lse, grad_logprob, ent } = *g;
+    if chunk == 0 || chunk_begin + chunk > dims.v || stride % 8 != 0 || stride < chunk || prefix == 0 || prefix > dims.t {
+        return Err(Error::Config(format!("bad kept chunk {chunk_begin}+{chunk} (stride {stride}, {prefix} rows) of v = {}", dims.v)));
+    }
+    if prefix > u32::MAX as usize {
+        return Err(Error::Config(format!("{prefix} kept rows: the grid indexes rows with 32 bits")));
+    }
+    let mut p = LogitsParams {
+        labels: labels.dev.check(prefix, labels.elem())?,
+        lse: lse.check(prefix, 4)?,
+        staging: staging.check(prefix * stride, 16)?,
+        staging_stride: stride as u64,
+        t: prefix as u32,
+        v: dims.v as u32,
+        d: dims.d as u32,
+        label_kind: labels.kind,
+        v_chunk_begin: chunk_begin as u32,
+        v_chunk: chunk as u32,
+        ..Default::default()
+    };
+    if let Some(g) = grad_logprob {
+        p.grad_logprob = g.check(prefix, 4)?;
+    }
+    let name = match ent {
+        Some((g, e)) => {
+            p.grad_entropy = g.check(prefix, 4)?;
+            p.entropy = e.check(prefix, 4)?;
+            fixed::DLOGITS_KEPT_ENT
+        }
+        None => fixed::DLOGITS_KEPT,
+    };
+    sc.fill(&mut p);
+    kept.fill(prefix, dims.v, &mut p)?;
+    if kept.map.is_none() && prefix > kept.rows {
+        return Err(Error::Config(format!("{prefix} rows read from {} kept rows", kept.rows)));
+    }
+    let grid = (prefix as u32, stride.div_ceil(KEPT_BLOCK_COLS) as u32);
+    launch(gpu, stream, name, 0, grid, fixed::THREADS, p)
 }
 
 /// How a backward GEMM treats its f32 accumulator and output.

@@ -73,6 +73,28 @@ pub(crate) unsafe fn row_coeffs<const MI: usize, const ENT: bool>(p: &LogitsPara
     c
 }
 
+/// The coefficients of row `row` as slot `(0, 0)` of a `RowCoeffs<1>` (the kept-logits
+/// d-logits, one row per block): [`row_coeffs`] itself, for a warp position whose slot `(0, 0)`
+/// is that row (slot `(0, 1)`, eight rows below, is loaded too and not used).
+///
+/// # Safety
+/// `row < p.t`; `p` as for [`row_coeffs`].
+#[inline(always)]
+pub(crate) unsafe fn one_row_coeffs<const ENT: bool>(p: &LogitsParams, row: u32) -> RowCoeffs<1> {
+    let w = WarpPos { tid: 0, lane: 0, wm0: 0, wn0: 0, warp_n: 0 };
+    // SAFETY: the caller's contract; rows at or past t are not read.
+    unsafe { row_coeffs::<1, ENT>(p, &w, row) }
+}
+
+impl<const MI: usize> RowCoeffs<MI> {
+    /// Whether row `(mi, h)`'s gradient coefficients are both zero (an ignored row, or zero
+    /// upstream gradients): its d-logits are zero whatever its logits.
+    #[inline(always)]
+    pub(crate) fn is_zero<const ENT: bool>(&self, mi: usize, h: usize) -> bool {
+        self.gl[mi][h] == 0.0 && (!ENT || self.ge[mi][h] == 0.0)
+    }
+}
+
 /// The bf16 d-logits of columns `c` and `c + 1` (relative to the chunk; zeros past it) of row
 /// `(mi, h)` of `co`, from their raw dot products, packed as [`intrinsics::pack_bf16x2`] does.
 #[inline(always)]

@@ -19,6 +19,7 @@
 pub mod dlogits;
 pub mod fwd;
 pub mod gemm;
+pub mod kept;
 pub mod labels;
 
 use crate::intrinsics;

@@ -264,3 +264,32 @@ pub unsafe fn ld_shared_u32(addr: SmemAddr) -> u32 {
     unsafe { asm!("ld.shared.u32 {v}, [{p}];", p = in(reg32) addr, v = out(reg32) v, options(nostack, readonly)) };
     v
 }
+
+/// `st.global.cs.v2.f32`: a streaming store (evict first: data written once and read back much
+/// later, which should not push the operands out of L2).
+///
+/// # Safety
+/// `p` must be an 8-byte aligned global address with 8 writable bytes.
+#[inline(always)]
+pub unsafe fn st_global_cs_v2(p: *mut f32, a: f32, b: f32) {
+    // SAFETY: the caller guarantees the address.
+    unsafe { asm!("st.global.cs.v2.f32 [{p}], {{{a}, {b}}};", p = in(reg64) p, a = in(reg32) a, b = in(reg32) b, options(nostack)) };
+}
+
+/// `ld.global.cs.v4.f32`: a streaming load (data read once).
+///
+/// # Safety
+/// `p` must be a 16-byte aligned global address with 16 readable bytes.
+#[inline(always)]
+pub unsafe fn ld_global_cs_v4(p: *const f32) -> [f32; 4] {
+    let (a, b, c, d): (f32, f32, f32, f32);
+    // SAFETY: the caller guarantees the address.
+    unsafe {
+        asm!(
+            "ld.global.cs.v4.f32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+            p = in(reg64) p, a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+            options(nostack, readonly)
+        )
+    };
+    [a, b, c, d]
+}
