@@ -37,7 +37,7 @@ use lmhead::{
 };
 use lmhead_reference::rng::Rng;
 use lmhead_reference::{backward_dh_rows_rss, backward_dw_rows_rss, forward, Case, Grads, Structure, IGNORE_INDEX};
-use lmhead_tests::{case_seed, check_rel_l2, check_rel_l2_terms, gpu_or_skip, run_seed};
+use lmhead_tests::{case_seed, check_rel_l2, check_rel_l2_terms, fixed_or_auto, gpu_or_skip, run_seed};
 
 const BF16_REL_L2: f64 = 6e-3;
 const F32_REL_L2: f64 = 4e-3;
@@ -95,9 +95,10 @@ impl KeepCase {
     }
 }
 
-/// The first candidate of `f` that `pick` accepts.
+/// The first candidate of `f` that `pick` accepts, where the module under test holds it (an
+/// `Sm90` config under `LMHEAD_TEST_MODULE=portable` becomes `Choice::Auto`: [`fixed_or_auto`]).
 fn first(f: Family, pick: impl Fn(&lmhead::TileConfig) -> bool) -> Choice {
-    Choice::Fixed(*f.candidates().iter().find(|c| pick(c)).expect("a matching candidate"))
+    fixed_or_auto(*f.candidates().iter().find(|c| pick(c)).expect("a matching candidate"))
 }
 
 fn sm90_fwd() -> Choice {
@@ -149,7 +150,6 @@ struct Dev {
     ge: CudaSlice<f32>,
 }
 
-#[allow(clippy::too_many_arguments)]
 fn fwd_call(
     (head, stream): (&LmHead, &Arc<CudaStream>),
     x: &Dev,
@@ -175,7 +175,6 @@ fn fwd_call(
     Fwd { lp: get(&lp), lse: get(&lse), ent: get(&ent), kept_rows: r.kept_rows }
 }
 
-#[allow(clippy::too_many_arguments)]
 fn bwd_call(
     (head, stream): (&LmHead, &Arc<CudaStream>),
     x: &Dev,

@@ -148,15 +148,13 @@ pub fn model(pass: Pass, t: usize, n: usize, v: usize, d: usize) -> (f64, f64) {
     (saved, moved as f64 / COPY_BYTES_PER_S + FIXED_S)
 }
 
-/// What to do with `n` active rows of `t` under [`Compaction::Auto`] (module docs; the calls
-/// take [`plan_for`] with their option).
+/// [`plan_for`] under [`Compaction::Auto`] (module docs).
 #[cfg(test)]
 pub fn plan(pass: Pass, t: usize, n: usize, v: usize, d: usize) -> Plan {
     plan_for(Compaction::Auto, pass, t, n, v, d)
 }
 
-/// What to do with `n` active rows of `t` under `c` (`Off` is decided before anything is
-/// counted).
+/// What to do with `n` active rows of `t` under `c` (`Off`: decided before any count).
 fn plan_for(c: Compaction, pass: Pass, t: usize, n: usize, v: usize, d: usize) -> Plan {
     if n >= t || c == Compaction::Off {
         return Plan::Dense;
@@ -299,7 +297,6 @@ pub(crate) fn count(
 /// Count the active rows of `rows` among its first `prefix` rows into `count` (one u32, zeroed
 /// by the caller), into block counts of their own (the placement reads the whole count's);
 /// with `union`, from the flags the whole count left (the ranks' MAX-reduced flags).
-#[allow(clippy::too_many_arguments)]
 fn count_prefix(
     gpu: &crate::device::Gpu,
     (src, act): (&mut Source, &mut ActiveWs),

@@ -272,7 +272,7 @@ impl LmHead {
         let plan = {
             let partials = ws.partials.get(&mut ws.src, stream, plan.blocks_per_row() as usize * p.t)?;
             let pd = dev_out(partials, stream, "partials")?;
-            launch::fwd_mainloop(&self.gpu, stream, x, entropy.is_some(), cfg, plan, &pd, kept.as_ref())?
+            launch::fwd_mainloop(&self.gpu, stream, x, entropy.is_some(), (cfg, plan), &pd, kept.as_ref())?
         };
         let n_slots = plan.blocks_per_row();
         let (src, partials, status, row_state) = (&mut ws.src, &mut ws.partials, &mut ws.status, &mut ws.row_state);
@@ -391,7 +391,7 @@ impl LmHead {
                        status: &mut cudarc::driver::CudaSlice<u32>|
              -> Result<()> {
                 let pd = dev_out(partials, stream, "tuning partials")?;
-                launch::fwd_mainloop(&self.gpu, stream, x, family == Family::FwdEnt, cfg, plan, &pd, None)?;
+                launch::fwd_mainloop(&self.gpu, stream, x, family == Family::FwdEnt, (cfg, plan), &pd, None)?;
                 let od = dev_out(outs, stream, "tuning outputs")?;
                 let (lp, lse, ent) = (od.sub(0, p.t, 4)?, od.sub(p.t, p.t, 4)?, od.sub(2 * p.t, p.t, 4)?);
                 let sd = dev_out(status, stream, "tuning status")?;

@@ -97,14 +97,12 @@ impl KeptOut<'_, '_> {
 /// with `kept`, the config's `_keep` twin, which also writes the raw logits of every row whose
 /// caller row is below `kept.rows` (columns `< v`, and padding columns up to the stride).
 /// Returns the plan as launched (`n_splits` from `tiles_per_split`).
-#[allow(clippy::too_many_arguments)]
 pub fn fwd_mainloop(
     gpu: &Gpu,
     stream: &Arc<CudaStream>,
     x: &LogitsIn,
     entropy: bool,
-    cfg: TileConfig,
-    plan: lmhead_core::split::SplitPlan,
+    (cfg, plan): (TileConfig, lmhead_core::split::SplitPlan),
     partials: &Dev,
     kept: Option<&KeptOut>,
 ) -> Result<lmhead_core::split::SplitPlan> {
