@@ -494,16 +494,16 @@ mod tests {
     }
 
     #[test]
-    fn the_portable_module_holds_the_mma_sync_kernels_and_no_sm90_one() {
+    fn the_portable_module_holds_the_mma_sync_kernels_their_keep_twins_and_no_sm90_one() {
         let hopper = entry_threads(Module::Hopper);
         let portable = entry_threads(Module::Portable);
         assert!(portable.keys().all(|n| hopper.contains_key(n)));
-        for f in Family::ALL {
-            for &c in f.candidates() {
-                assert_eq!(portable.contains_key(&kernel_name(f, c)), !c.is_sm90(), "{f:?} {c:?}");
-            }
+        for (name, c) in lmhead_core::config::tuned_entries() {
+            assert_eq!(portable.contains_key(&name), !c.is_sm90(), "{name} {c:?}");
         }
         assert!(!portable.keys().any(|n| n.ends_with("_tma") || n.contains("unit_")), "{portable:?}");
-        assert!(portable.contains_key(lmhead_core::config::fixed::FWD_MERGE));
+        for f in [lmhead_core::config::fixed::FWD_MERGE, lmhead_core::config::fixed::DLOGITS_KEPT] {
+            assert!(portable.contains_key(f), "{f}");
+        }
     }
 }
