@@ -21,6 +21,7 @@
 
 mod active;
 mod bench;
+mod keep;
 mod other;
 
 use std::collections::HashMap;
@@ -235,6 +236,8 @@ fn render(spec: &str, sources: &HashMap<String, Result<Source, String>>) -> Resu
         other::tp(src, view)
     } else if with("active_row") {
         active::render(src, view)
+    } else if with("keep_logits") {
+        keep::render(src, view)
     } else if with("wall_ms") {
         other::probe(src, view)
     } else if with("impl") {
