@@ -1,4 +1,4 @@
-//! A crate that depends on `lmhead` gets the sm_90a cubin from a plain `cargo build`, with no
+//! A crate that depends on `lmhead` gets both cubins (sm_90a, sm_80) from a plain `cargo build`, with no
 //! ptxas installed beforehand: this test builds such a crate in a fresh target directory with an
 //! empty ptxas cache (`LMHEAD_TOOLS_DIR`), so the host's build script must install the pinned
 //! ptxas itself, and runs it to read the embedded cubin's size. (The kernels' own nvptx build is
@@ -29,7 +29,11 @@ fn a_dependent_crate_embeds_the_cubin() {
         ),
     )
     .unwrap();
-    std::fs::write(dir.join("src/main.rs"), "fn main() {\n    println!(\"cubin {}\", lmhead::ptx::CUBIN.len());\n}\n").unwrap();
+    std::fs::write(
+        dir.join("src/main.rs"),
+        "fn main() {\n    println!(\"cubin {} {}\", lmhead::ptx::CUBIN.len(), lmhead::ptx::CUBIN_SM80.len());\n}\n",
+    )
+    .unwrap();
     // The workspace's lock file pins the same dependency versions (cargo drops unused entries).
     std::fs::copy(root.join("Cargo.lock"), dir.join("Cargo.lock")).unwrap();
     let tools = dir.join("tools");
@@ -53,10 +57,15 @@ fn a_dependent_crate_embeds_the_cubin() {
     let out = cmd.output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "building the dependent crate failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    let n: usize =
-        stdout.trim().strip_prefix("cubin ").and_then(|s| s.parse().ok()).unwrap_or_else(|| panic!("unexpected output {stdout:?}"));
-    assert!(n > 1 << 20, "the dependent crate embedded a cubin of {n} bytes");
+    let sizes: Vec<usize> =
+        stdout.trim().strip_prefix("cubin ").map(|s| s.split(' ').filter_map(|x| x.parse().ok()).collect()).unwrap_or_default();
+    let [n, n_sm80] = sizes[..] else { panic!("unexpected output {stdout:?}") };
+    assert!(n > 1 << 20, "the dependent crate embedded a Hopper cubin of {n} bytes");
+    assert!(n_sm80 > 1 << 20, "the dependent crate embedded a portable cubin of {n_sm80} bytes");
     assert!(tools.join("ptxas").exists(), "the build did not install ptxas into LMHEAD_TOOLS_DIR");
-    println!("dependent crate built in {:.0} s with a fresh ptxas install; embedded cubin {n} bytes", t0.elapsed().as_secs_f64());
+    println!(
+        "dependent crate built in {:.0} s with a fresh ptxas install; embedded cubins {n} (sm_90a) and {n_sm80} (sm_80) bytes",
+        t0.elapsed().as_secs_f64()
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }

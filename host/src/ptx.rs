@@ -219,7 +219,8 @@ mod tests {
         for name in Module::Portable.fixed() {
             assert!(mods.contains_key(*name), "{name}");
         }
-        let mma_sync: usize = lmhead_core::Family::ALL.iter().map(|f| f.candidates().iter().filter(|c| !c.is_sm90()).count()).sum();
+        // The MmaSync entries with their `_keep` twins, and the portable fixed kernels.
+        let mma_sync = lmhead_core::config::tuned_entries().into_iter().filter(|(_, c)| !c.is_sm90()).count();
         assert_eq!(mods.len(), mma_sync + lmhead_core::config::fixed::PORTABLE.len());
         assert!(!mods.keys().any(|n| n.starts_with("lm_head_unit")));
         // Both modules are embedded, each with a cubin unless this is a PTX-only build.

@@ -262,29 +262,36 @@ pub fn build_modules(paths: &Paths) -> Result<Built> {
         return Err(format!("the linker shim left no bitcode at {}", bc.display()));
     }
     let bin = llvm_bin()?;
+    // The files after the cargo build are this process's own (a test build and a release build
+    // of the host may lower at once).
+    let tag = std::process::id();
     let lower = |module: Module, input: &Path| -> Result<String> {
-        let raw = paths.target_dir.join(format!("{}.raw.ptx", stem("lmhead_kernels", module)));
+        let raw = paths.target_dir.join(format!("{}.raw-{tag}.ptx", stem("lmhead_kernels", module)));
         let mut cmd = Command::new(bin.join("llc"));
         cmd.args(["-O3", &format!("-mcpu={}", module.arch()), "-mattr=+ptx80"]).arg(input).arg("-o").arg(&raw);
-        run(&mut cmd, &format!("llc for {}", module.arch()))?;
-        let ptx = std::fs::read_to_string(&raw).map_err(|e| e.to_string())?;
-        add_launch_bounds(&ptx, module)
+        let done =
+            run(&mut cmd, &format!("llc for {}", module.arch())).and_then(|_| std::fs::read_to_string(&raw).map_err(|e| e.to_string()));
+        let _ = std::fs::remove_file(&raw);
+        add_launch_bounds(&done?, module)
     };
     let hopper = lower(Module::Hopper, &bc)?;
     // The portable module: only its entries stay external; everything else is internalised and
     // dropped by global DCE before lowering for sm_80.
-    let keep = paths.target_dir.join("portable-entries.txt");
+    let keep = paths.target_dir.join(format!("portable-entries-{tag}.txt"));
     let names: Vec<String> = entry_threads(Module::Portable).into_keys().collect();
     std::fs::write(&keep, names.join("\n") + "\n").map_err(|e| format!("writing {}: {e}", keep.display()))?;
-    let portable_bc = paths.target_dir.join("lmhead_kernels_sm80.bc");
+    let portable_bc = paths.target_dir.join(format!("lmhead_kernels_sm80-{tag}.bc"));
     let mut cmd = Command::new(bin.join("opt"));
     cmd.arg("-passes=internalize,globaldce")
         .arg(format!("-internalize-public-api-file={}", keep.display()))
         .arg(&bc)
         .arg("-o")
         .arg(&portable_bc);
-    run(&mut cmd, "opt (keeping the portable entries)")?;
-    let portable = lower(Module::Portable, &portable_bc)?;
+    let kept = run(&mut cmd, "opt (keeping the portable entries)");
+    let _ = std::fs::remove_file(&keep);
+    let portable = kept.and_then(|_| lower(Module::Portable, &portable_bc));
+    let _ = std::fs::remove_file(&portable_bc);
+    let portable = portable?;
     Ok(Built { hopper, portable })
 }
 

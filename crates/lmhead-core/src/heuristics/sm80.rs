@@ -18,8 +18,8 @@
 //!
 //! | compute capability | devices | shared memory per block (opt-in) | registers per block |
 //! |---|---|---|---|
-//! | 8.0 | A100, A30 | 163 KiB | 64 Ki |
-//! | 8.6, 8.7, 8.9 | A10, A40, RTX 30, Orin, L4, L40S, RTX 40 | 99 KiB | 64 Ki |
+//! | 8.0, 8.7 | A100, A30, Jetson Orin | 163 KiB | 64 Ki |
+//! | 8.6, 8.9 | A10, A40, RTX 30, L4, L40S, RTX 40 | 99 KiB | 64 Ki |
 //! | 9.0 (forced by a test) | H100, H200 | 227 KiB | 64 Ki |
 //! | 10.x, 12.x (JIT of the sm_80 PTX) | B200, B300, RTX 50 | 227 KiB (10.x), 99 KiB (12.x) | 64 Ki |
 //!
