@@ -69,11 +69,27 @@ impl std::fmt::Display for Error {
             Error::WrongContext { what } => write!(f, "{what} lives in another CUDA context than the stream"),
             Error::Config(s) => write!(f, "config: {s}"),
             Error::OutOfMemory { what, bytes } => write!(f, "out of device memory allocating {what} ({bytes} bytes)"),
-            Error::Driver { during, source } => write!(f, "CUDA error while {during}: {source}"),
+            Error::Driver { during, source } => {
+                write!(f, "CUDA error while {during}: {source}")?;
+                match driver_hint(source) {
+                    Some(h) => write!(f, " ({h})"),
+                    None => Ok(()),
+                }
+            }
             Error::Comm(s) => write!(f, "communicator: {s}"),
             Error::Capture(s) => write!(f, "under CUDA-graph capture: {s}"),
         }
     }
+}
+
+/// What to change, for a driver error whose cause is the caller's set-up.
+fn driver_hint(e: &cudarc::driver::DriverError) -> Option<&'static str> {
+    // cudarc's per-slice event tracking waits, on every use of a `CudaSlice`, for the event of
+    // its last write; recorded before a capture, CUDA refuses that wait from the capturing stream.
+    (e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_ISOLATION).then_some(
+        "a stream being captured waited on work outside the capture: with `CudaSlice` buffers, turn the context's \
+         event tracking off before allocating them (`CudaContext::disable_event_tracking`), or pass `lmhead::Borrowed` buffers",
+    )
 }
 
 impl std::error::Error for Error {
@@ -105,6 +121,15 @@ impl<T> Context<T> for std::result::Result<T, cudarc::driver::DriverError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_capture_isolation_error_says_what_to_change() {
+        // (The error's own text comes from the driver, absent here: only the hint is checked.)
+        use cudarc::driver::{sys::CUresult, DriverError};
+        let h = driver_hint(&DriverError(CUresult::CUDA_ERROR_STREAM_CAPTURE_ISOLATION)).unwrap();
+        assert!(h.contains("disable_event_tracking") && h.contains("lmhead::Borrowed"), "{h}");
+        assert_eq!(driver_hint(&DriverError(CUresult::CUDA_ERROR_INVALID_VALUE)), None);
+    }
 
     #[test]
     fn an_unsupported_device_says_what_is_needed() {
