@@ -49,7 +49,8 @@ pub unsafe fn dlogits_kept<const ENT: bool>(p: &LogitsParams) {
                 // SAFETY: c is a multiple of 8 below v_chunk and the chunk begins at a multiple of
                 // 8, so begin + c + 8 ≤ begin + round8(v_chunk) ≤ kept_stride (a multiple of 8
                 // at least begin + v_chunk): two aligned 16-byte loads inside the caller's row.
-                let (a, b) = unsafe { (intrinsics::ld_global_cs_v4(base.add(c as usize)), intrinsics::ld_global_cs_v4(base.add(c as usize + 4))) };
+                let (a, b) =
+                    unsafe { (intrinsics::ld_global_cs_v4(base.add(c as usize)), intrinsics::ld_global_cs_v4(base.add(c as usize + 4))) };
                 raw = [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]];
             } else {
                 unroll!(8, |e| {

@@ -56,7 +56,13 @@ pub(crate) unsafe fn kept_rows<const MI: usize>(p: &LogitsParams, w: &WarpPos, m
 /// # Safety
 /// `p.kept` holds `kept_rows · kept_stride` f32, 16-byte aligned; `kept_stride` even.
 #[inline(always)]
-pub(crate) unsafe fn store_kept<const MI: usize, const NI: usize>(p: &LogitsParams, w: &WarpPos, n0: u32, acc: &Acc<MI, NI>, k: &KeptRows<MI>) {
+pub(crate) unsafe fn store_kept<const MI: usize, const NI: usize>(
+    p: &LogitsParams,
+    w: &WarpPos,
+    n0: u32,
+    acc: &Acc<MI, NI>,
+    k: &KeptRows<MI>,
+) {
     unroll!(MI, |mi| {
         unroll!(2, |h| {
             let row = k.row[mi][h];

@@ -23,7 +23,15 @@ use lmhead_core::params::LogitsParams;
 /// buffers as for `sm80::fwd::fwd`. With `KEEP`, also `p.kept` as `epilogue::kept::store_kept`
 /// needs it (and `p.kept_map` 0 or `t` rows).
 #[inline(always)]
-pub unsafe fn fwd_wg<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const NW: usize, const ENT: bool, const KEEP: bool>(
+pub unsafe fn fwd_wg<
+    const BM: usize,
+    const BN: usize,
+    const ST: usize,
+    const WGM: usize,
+    const NW: usize,
+    const ENT: bool,
+    const KEEP: bool,
+>(
     p: &LogitsParams,
 ) {
     let tid = intrinsics::thread_idx();
