@@ -16,7 +16,7 @@
 //! **Which rows.** With `stride` as above and a budget of `B` bytes, the call keeps
 //! `rows = t` when `4·t·stride ≤ B`, else the largest multiple of [`ROW_ALIGN`] rows that fits
 //! ([`rows`]); the rest are recomputed as today. Rows are the caller's rows `[0, rows)` of the
-//! call, whether or not the call compacts them ([`crate::active`]): a compacted forward writes
+//! call, whether or not the call compacts them ([`crate::Compaction`]): a compacted forward writes
 //! each active row at its own index (ignored rows are not written and are never read: their
 //! d-logits are zero), a compacted backward reads them through its row map. Under tensor
 //! parallelism each rank keeps its shard's columns (`v` is the local vocabulary).

@@ -13,7 +13,7 @@
 //! - [`cpu`] is the f64 reference, the backend on machines without a GPU.
 //! - [`tp`] adds vocab-parallel tensor parallelism (and documents context parallelism).
 //! - Buffers of other frameworks enter as [`Borrowed`] memory on a [`borrowed_stream`].
-//! - [`active`]: both passes compute only the rows the loss reads (labels not `ignore_index`;
+//! - [`Compaction`]: both passes compute only the rows the loss reads (labels not `ignore_index`;
 //!   in the backward also a non-zero upstream gradient), compacted into the workspace.
 //!
 //! Every call validates its shapes, lengths, alignment, options and (by default) labels, and
