@@ -422,27 +422,6 @@ pub mod fixed {
     pub const DLOGITS_KEPT_ENT: &str = "lm_head_dlogits_kept_ent";
     /// Threads per block of the fixed kernels (the unit kernels run one warpgroup of them).
     pub const THREADS: u32 = 256;
-    /// All fixed entry points.
-    pub const ALL: [&str; 18] = [
-        CHECK_LABELS,
-        ACTIVE_COUNT,
-        ACTIVE_PLACE,
-        COPY_ROWS,
-        MAP_VALUES,
-        FWD_MERGE,
-        FWD_ROW_STATE,
-        FWD_RESCALE,
-        FWD_FINISH,
-        CAST_F32_BF16,
-        NAIVE_FWD,
-        DLOGITS_KEPT,
-        DLOGITS_KEPT_ENT,
-        UNIT_TMA_COPY,
-        UNIT_WGMMA_N128,
-        UNIT_WGMMA_N256,
-        UNIT_WGMMA_MN_N128,
-        UNIT_TMA_STORE,
-    ];
     /// The fixed entry points of the portable module ([`super::Module::Portable`]): all but the
     /// `Sm90` unit kernels (TMA, `wgmma`, `stmatrix`).
     pub const PORTABLE: [&str; 13] = [
@@ -460,6 +439,26 @@ pub mod fixed {
         DLOGITS_KEPT,
         DLOGITS_KEPT_ENT,
     ];
+    /// The `Sm90` unit kernels, in the Hopper module only.
+    pub const SM90_UNITS: [&str; 5] = [UNIT_TMA_COPY, UNIT_WGMMA_N128, UNIT_WGMMA_N256, UNIT_WGMMA_MN_N128, UNIT_TMA_STORE];
+    /// All fixed entry points (the Hopper module's): [`PORTABLE`], then [`SM90_UNITS`].
+    pub const ALL: [&str; 18] = concat(PORTABLE, SM90_UNITS);
+
+    /// `a` then `b` (`C` must be `A + B`: checked when the constant is evaluated).
+    const fn concat<const A: usize, const B: usize, const C: usize>(a: [&'static str; A], b: [&'static str; B]) -> [&'static str; C] {
+        assert!(A + B == C, "the lists' lengths do not add up");
+        let mut out = [""; C];
+        let mut i = 0;
+        while i < A {
+            out[i] = a[i];
+            i += 1;
+        }
+        while i < C {
+            out[i] = b[i - A];
+            i += 1;
+        }
+        out
+    }
 }
 
 /// The embedded kernel modules, one per architecture the kernels are lowered and assembled for
