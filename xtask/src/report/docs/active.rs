@@ -9,27 +9,16 @@ use std::fmt::Write as _;
 use lmhead_core::record::ActiveRow;
 use serde_json::Value;
 
-use super::{counted, x, Source};
+use super::{counted, keyed_records, x, Source};
 
 /// The active-rows table, records in the suite's order (the latest record of a case wins).
 pub fn render(src: &Source, view: &str) -> Result<String, String> {
     if !view.is_empty() && view != "summary" {
         return Err(format!("suite `{}`: no view `{view}` (views: the default, `summary`)", src.suite));
     }
-    let mut recs: Vec<(Value, ActiveRow)> = Vec::new();
-    for (f, t) in src.files.iter().zip(&src.texts) {
-        for (i, l) in t.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-            let v: Value = serde_json::from_str(l).map_err(|e| format!("{f}:{}: {e}", i + 1))?;
-            let r = v.get("active_row").cloned().ok_or_else(|| format!("{f}:{}: a record without `active_row`", i + 1))?;
-            let r: ActiveRow = serde_json::from_value(r).map_err(|e| format!("{f}:{}: an active record: {e}", i + 1))?;
-            let key = |a: &ActiveRow| (a.model.clone(), a.t, a.layout.clone(), a.fraction.to_bits());
-            recs.retain(|(_, o)| key(o) != key(&r));
-            recs.push((v, r));
-        }
-    }
-    if recs.is_empty() {
-        return Err(format!("{}: no records", src.file_list()));
-    }
+    let recs = keyed_records(src, "active_row", "an active record", |a: &ActiveRow| {
+        (a.model.clone(), a.t, a.layout.clone(), a.fraction.to_bits())
+    })?;
     if view == "summary" {
         return Ok(summary(src, &recs));
     }

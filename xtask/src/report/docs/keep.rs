@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{counted, median, x, Source};
+use super::{counted, keyed_records, median, x, Source};
 
 #[derive(Deserialize)]
 struct Timing {
@@ -36,19 +36,7 @@ pub fn render(src: &Source, view: &str) -> Result<String, String> {
     if !view.is_empty() && view != "summary" {
         return Err(format!("suite `{}`: no view `{view}` (views: the default, `summary`)", src.suite));
     }
-    let mut recs: Vec<(Value, KeepRow)> = Vec::new();
-    for (f, t) in src.files.iter().zip(&src.texts) {
-        for (i, l) in t.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-            let v: Value = serde_json::from_str(l).map_err(|e| format!("{f}:{}: {e}", i + 1))?;
-            let r = v.get("keep_logits").cloned().ok_or_else(|| format!("{f}:{}: a record without `keep_logits`", i + 1))?;
-            let r: KeepRow = serde_json::from_value(r).map_err(|e| format!("{f}:{}: a keep record: {e}", i + 1))?;
-            recs.retain(|(_, o)| o.case != r.case);
-            recs.push((v, r));
-        }
-    }
-    if recs.is_empty() {
-        return Err(format!("{}: no records", src.file_list()));
-    }
+    let recs = keyed_records(src, "keep_logits", "a keep record", |r: &KeepRow| r.case.clone())?;
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let mut s = String::new();
     let xs = |f: &dyn Fn(&KeepRow) -> f64| recs.iter().map(|(_, r)| f(r)).collect::<Vec<f64>>();

@@ -331,6 +331,31 @@ pub fn median_range(xs: &[f64]) -> String {
     format!("{} ({lo:.2}–{})", x(m), x(hi))
 }
 
+/// The records of every file of `src` that hold `key`, parsed as `T` (`what` names them in
+/// errors), in order; a later record with the same `id` replaces the earlier one (the latest
+/// record of a case wins). No record is an error.
+pub fn keyed_records<T: serde::de::DeserializeOwned, K: PartialEq>(
+    src: &Source,
+    key: &str,
+    what: &str,
+    id: impl Fn(&T) -> K,
+) -> Result<Vec<(serde_json::Value, T)>, String> {
+    let mut recs: Vec<(serde_json::Value, T)> = Vec::new();
+    for (f, t) in src.files.iter().zip(&src.texts) {
+        for (i, l) in t.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+            let v: serde_json::Value = serde_json::from_str(l).map_err(|e| format!("{f}:{}: {e}", i + 1))?;
+            let r = v.get(key).cloned().ok_or_else(|| format!("{f}:{}: a record without `{key}`", i + 1))?;
+            let r: T = serde_json::from_value(r).map_err(|e| format!("{f}:{}: {what}: {e}", i + 1))?;
+            recs.retain(|(_, o)| id(o) != id(&r));
+            recs.push((v, r));
+        }
+    }
+    if recs.is_empty() {
+        return Err(format!("{}: no records", src.file_list()));
+    }
+    Ok(recs)
+}
+
 /// Distinct values with their counts, most frequent first (ties in order of first appearance):
 /// `a` alone, or `a (71 shapes), b (1 shape)` for the unit `shape`.
 pub fn counted<'a>(values: impl Iterator<Item = &'a str>, unit: &str) -> String {
