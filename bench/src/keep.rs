@@ -85,11 +85,13 @@ struct Seen {
     workspace_bytes: usize,
 }
 
-/// One step: forward (entropy when `ent`), backward of its outputs; with `kept` (buffer,
-/// budget in bytes) the kept-logits mode.
+/// One step: forward (entropy when `ent`), backward of its outputs (vocab chunks of `chunk`
+/// columns when given: `--bwd-chunk`); with `kept` (buffer, budget in bytes) the kept-logits
+/// mode.
 fn step(
     head: &LmHead,
     stream: &Arc<CudaStream>,
+    chunk: Option<usize>,
     b: &mut Bufs,
     ent: bool,
     mut kept: Option<(&mut CudaSlice<f32>, usize)>,
@@ -115,7 +117,7 @@ fn step(
         problem: b.p,
         kept: kept.as_ref().map(|(k, _)| lmhead::keep::Kept { logits: &**k, rows: fr.kept_rows }),
     };
-    let br = head.backward(stream, &bx, &BwdOptions::default(), GradOut::Bf16(&mut b.dh), Some(GradOut::Bf16(&mut b.dw)))?;
+    let br = head.backward(stream, &bx, &BwdOptions { chunk, ..Default::default() }, GradOut::Bf16(&mut b.dh), Some(GradOut::Bf16(&mut b.dw)))?;
     Ok(Seen { kept_rows: fr.kept_rows, bwd_kept_rows: br.kept_rows, workspace_bytes: br.workspace_bytes })
 }
 
@@ -152,7 +154,7 @@ fn measure(head: &LmHead, stream: &Arc<CudaStream>, c: &KeepCase, args: &Args) -
     let mut blas = cublas::Gemm::new(stream.clone(), t, v, d)?;
     // Warm-up (tuning where on) without the mode, then the memory without the kept buffer.
     for ent in [false, true] {
-        step(head, stream, &mut b, ent, None)?;
+        step(head, stream, args.bwd_chunk, &mut b, ent, None)?;
     }
     let mem_off = mem_used(stream)?;
     let full = 4 * t * lmhead::keep::stride(v);
@@ -164,7 +166,7 @@ fn measure(head: &LmHead, stream: &Arc<CudaStream>, c: &KeepCase, args: &Args) -
     let mut kept = lmhead::testing::zeros::<f32>(stream, kept_len, "bench kept logits")?;
     let mut seen = Seen::default();
     for ent in [false, true] {
-        seen = step(head, stream, &mut b, ent, Some((&mut kept, budget)))?;
+        seen = step(head, stream, args.bwd_chunk, &mut b, ent, Some((&mut kept, budget)))?;
     }
     let mem_on = mem_used(stream)?;
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); OPS.len()];
@@ -175,17 +177,17 @@ fn measure(head: &LmHead, stream: &Arc<CudaStream>, c: &KeepCase, args: &Args) -
         for j in order {
             let ms = sample(stream, &mut || match OPS[j] {
                 Op::Gemm => blas.run(&b.h, &b.w),
-                Op::Step(ent, false) => step(head, stream, &mut b, ent, None).map(|_| ()),
-                Op::Step(ent, true) => step(head, stream, &mut b, ent, Some((&mut kept, budget))).map(|_| ()),
+                Op::Step(ent, false) => step(head, stream, args.bwd_chunk, &mut b, ent, None).map(|_| ()),
+                Op::Step(ent, true) => step(head, stream, args.bwd_chunk, &mut b, ent, Some((&mut kept, budget))).map(|_| ()),
             })?;
             times[j].push(ms);
         }
     }
     let check = if args.check {
         let read = |x: &CudaSlice<f32>| stream.clone_dtoh(x).map_err(|e| lmhead::Error::Invalid(format!("reading: {e:?}")));
-        step(head, stream, &mut b, true, None)?;
+        step(head, stream, args.bwd_chunk, &mut b, true, None)?;
         let (lp0, dh0) = (read(&b.lp)?, lmhead::testing::download_bf16(stream, &b.dh)?);
-        step(head, stream, &mut b, true, Some((&mut kept, budget)))?;
+        step(head, stream, args.bwd_chunk, &mut b, true, Some((&mut kept, budget)))?;
         let (lp1, dh1) = (read(&b.lp)?, lmhead::testing::download_bf16(stream, &b.dh)?);
         if let Some(i) = (0..t).find(|&i| lp0[i].to_bits() != lp1[i].to_bits()) {
             return Err(lmhead::Error::Invalid(format!(
@@ -211,19 +213,26 @@ fn measure(head: &LmHead, stream: &Arc<CudaStream>, c: &KeepCase, args: &Args) -
         "x_off": x(1), "x_on": x(2), "x_ent_off": x(3), "x_ent_on": x(4),
         "budget_bytes": budget, "kept_bytes": 4 * kept_len, "kept_rows": seen.kept_rows, "bwd_kept_rows": seen.bwd_kept_rows,
         "workspace_bytes": seen.workspace_bytes, "mem_off": mem_off, "mem_on": mem_on,
-        "check_dh_rel_l2": check,
+        "check_dh_rel_l2": check, "bwd_chunk": args.bwd_chunk,
     }))
 }
 
-/// The suite: every case (`--filter` on the name), a table on stdout, records to `--out`.
+/// The suite: every case (`--filter` on the name, after `--skip`), a table on stdout, records to
+/// `--out`; with `--budget-s`, no case starts once that many seconds are spent.
 pub fn run(head: &LmHead, stream: &Arc<CudaStream>, args: &Args, info: &DeviceInfo) {
-    let cases: Vec<KeepCase> = cases().into_iter().filter(|c| args.filter.as_ref().is_none_or(|f| c.name.contains(f.as_str()))).collect();
+    let cases: Vec<KeepCase> =
+        cases().into_iter().filter(|c| args.filter.as_ref().is_none_or(|f| c.name.contains(f.as_str()))).skip(args.skip).collect();
+    let start = std::time::Instant::now();
     println!("# lmhead-bench keep on {} (driver {}), commit {}: {} cases\n", info.name, info.driver_version, crate::commit(), cases.len());
     println!("| case | t | d | v | GEMM ms | step off | step on | step+ent off | step+ent on | kept rows | kept GiB | mem off / on GiB |");
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut out = std::fs::OpenOptions::new().create(true).append(true).open(&args.out).ok();
     let gib = |b: &serde_json::Value| b.as_f64().unwrap_or(0.0) / (1u64 << 30) as f64;
     for (i, c) in cases.iter().enumerate() {
+        if start.elapsed().as_secs_f64() > args.budget_s {
+            eprintln!("budget of {} s reached after {i} of {} cases (resume with --skip {})", args.budget_s, cases.len(), args.skip + i);
+            break;
+        }
         eprintln!("[{}/{}] {}", i + 1, cases.len(), c.name);
         match measure(head, stream, c, args) {
             Ok(r) => {
