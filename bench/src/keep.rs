@@ -117,7 +117,8 @@ fn step(
         problem: b.p,
         kept: kept.as_ref().map(|(k, _)| lmhead::keep::Kept { logits: &**k, rows: fr.kept_rows }),
     };
-    let br = head.backward(stream, &bx, &BwdOptions { chunk, ..Default::default() }, GradOut::Bf16(&mut b.dh), Some(GradOut::Bf16(&mut b.dw)))?;
+    let br =
+        head.backward(stream, &bx, &BwdOptions { chunk, ..Default::default() }, GradOut::Bf16(&mut b.dh), Some(GradOut::Bf16(&mut b.dw)))?;
     Ok(Seen { kept_rows: fr.kept_rows, bwd_kept_rows: br.kept_rows, workspace_bytes: br.workspace_bytes })
 }
 
