@@ -27,16 +27,24 @@ struct KeepRow {
     step_ent_off: Timing,
     step_ent_on: Timing,
     kept_rows: usize,
+    /// A forced backward chunk width (`lmhead-bench keep --bwd-chunk`); the table shows only
+    /// the library's own width (absent or null).
+    #[serde(default)]
+    bwd_chunk: Option<u64>,
     mem_off: u64,
     mem_on: u64,
 }
 
-/// The keep table (the latest record of a case wins).
+/// The keep table (the latest record of a case at the library's chunk width wins).
 pub fn render(src: &Source, view: &str) -> Result<String, String> {
     if !view.is_empty() && view != "summary" {
         return Err(format!("suite `{}`: no view `{view}` (views: the default, `summary`)", src.suite));
     }
-    let recs = keyed_records(src, "keep_logits", "a keep record", |r: &KeepRow| r.case.clone())?;
+    let mut recs = keyed_records(src, "keep_logits", "a keep record", |r: &KeepRow| (r.case.clone(), r.bwd_chunk))?;
+    recs.retain(|(_, r)| r.bwd_chunk.is_none());
+    if recs.is_empty() {
+        return Err(format!("{}: no records at the library's chunk width", src.file_list()));
+    }
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let mut s = String::new();
     let xs = |f: &dyn Fn(&KeepRow) -> f64| recs.iter().map(|(_, r)| f(r)).collect::<Vec<f64>>();
@@ -104,7 +112,12 @@ mod tests {
         let line = serde_json::json!({"gpu": "NVIDIA H200", "commit": "c", "suite": "keep", "keep_logits": {
             "case": "m", "t": 8192, "d": 4096, "v": 1000, "gemm": t(10.0), "step_off": t(41.0), "step_on": t(32.0),
             "step_ent_off": t(42.0), "step_ent_on": t(33.0), "kept_rows": 8192, "mem_off": 1u64 << 30, "mem_on": 3u64 << 30}});
-        let src = Source { suite: "keep".into(), files: vec!["docs/results/keep.jsonl".into()], texts: vec![line.to_string()] };
+        // A later record of the same case with a forced chunk width does not replace it.
+        let mut forced = line.clone();
+        forced["keep_logits"]["bwd_chunk"] = serde_json::json!(1000);
+        forced["keep_logits"]["step_on"] = t(99.0);
+        let texts = vec![format!("{line}\n{forced}")];
+        let src = Source { suite: "keep".into(), files: vec!["docs/results/keep.jsonl".into()], texts };
         let s = render(&src, "").unwrap();
         assert!(s.contains("| m (8192 × 1000 × 4096) | 10.000 | 4.10× | 3.20× | 4.20× | 3.30× | 8192 | 1.00 / 3.00 |"), "{s}");
         assert!(s.contains("1 case on NVIDIA H200, commit c;"), "{s}");
