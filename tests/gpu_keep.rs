@@ -261,7 +261,7 @@ fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &KeepCase, seed: u64) -> Stri
     };
     let budget = match c.budget {
         Budget::All => usize::MAX,
-        Budget::Rows(n) => 4 * n * keep::stride(v),
+        Budget::Rows(n) => n * keep::row_bytes(v),
     };
     let want_rows = keep::rows(t, v, budget);
     let fo = FwdOptions { temperature: temp, config: c.fwd, compaction: c.compaction, ..Default::default() };
@@ -272,20 +272,46 @@ fn run(head: &LmHead, stream: &Arc<CudaStream>, c: &KeepCase, seed: u64) -> Stri
     assert_eq!(bits(&f1.lp), bits(&f0.lp), "log-prob with the mode [{desc}]");
     assert_eq!(bits(&f1.lse), bits(&f0.lse), "lse with the mode [{desc}]");
     assert_eq!(bits(&f1.ent), bits(&f0.ent), "entropy with the mode [{desc}]");
-    // 2. The kept logits of sampled computed rows.
-    let stride = keep::stride(v);
+    // 2. The kept logits of sampled computed rows, decoded (`keep::decode`): each group's
+    //    maximum the f64 maximum within the accumulation bound, each q within fp16's rounding of
+    //    2^{y − g} at that bound, 1 at a group's maximum, and the label's raw logit.
     let kh = stream.clone_dtoh(&kept).unwrap();
     let computed = |r: usize| c.compaction == Compaction::Off || case.labels[r] != IGNORE_INDEX;
     let sample_rows: Vec<usize> =
         [0, want_rows / 2, want_rows.saturating_sub(1)].into_iter().filter(|&r| r < want_rows && computed(r)).collect();
     let hf = |r: usize, k: usize| bf16::from_bits(case.h[r * d + k]).to_f64();
     let wf = |j: usize, k: usize| bf16::from_bits(case.w[j * d + k]).to_f64();
+    let scale2 = (std::f32::consts::LOG2_E * (1.0 / temp)) as f64;
     for &r in &sample_rows {
-        for j in 0..v {
-            let (dot, mag) = (0..d).fold((0.0, 0.0), |(s, m), k| (s + hf(r, k) * wf(j, k), m + (hf(r, k) * wf(j, k)).abs()));
-            let tol = f64::powi(2.0, -22) * (d as f64 / 16.0 + 4.0) * mag + 1e-30;
-            let got = kh[r * stride + j] as f64;
-            assert!((got - dot).abs() <= tol, "kept logit [{r}][{j}] = {got:e}, want {dot:e} ± {tol:e} [{desc}]");
+        let dots: Vec<(f64, f64)> = (0..v)
+            .map(|j| {
+                let (dot, mag) = (0..d).fold((0.0, 0.0), |(s, m), k| (s + hf(r, k) * wf(j, k), m + (hf(r, k) * wf(j, k)).abs()));
+                (dot, f64::powi(2.0, -22) * (d as f64 / 16.0 + 4.0) * mag + 1e-30)
+            })
+            .collect();
+        for g0 in (0..v).step_by(keep::GROUP) {
+            let group = g0..(g0 + keep::GROUP).min(v);
+            let (gmax, gtol) = group.clone().map(|j| dots[j]).fold((f64::NEG_INFINITY, 0.0f64), |(m, t), (x, e)| (m.max(x), t.max(e)));
+            let (_, g2) = keep::decode(&kh, want_rows, v, r, g0);
+            let g2 = g2 as f64;
+            let tol = gtol * scale2 + g2.abs() * f64::powi(2.0, -23);
+            assert!((g2 - gmax * scale2).abs() <= tol, "kept group max [{r}][{g0}] = {g2:e}, want {:e} ± {tol:e} [{desc}]", gmax * scale2);
+            let mut top = 0.0f32;
+            for j in group {
+                let (q, _) = keep::decode(&kh, want_rows, v, r, j);
+                let want = (dots[j].0 * scale2 - g2).exp2();
+                let rel = f64::powi(2.0, -11) + 2.0 * dots[j].1 * scale2 + f64::powi(2.0, -19);
+                let tol = want * rel + f64::powi(2.0, -24);
+                assert!((q as f64 - want).abs() <= tol, "kept q [{r}][{j}] = {q:e}, want {want:e} ± {tol:e} [{desc}]");
+                top = top.max(q);
+            }
+            assert_eq!(top, 1.0, "kept q of group [{r}][{g0}]: its maximum is 1 [{desc}]");
+        }
+        let l = case.labels[r];
+        if l != IGNORE_INDEX {
+            let (dot, tol) = dots[l as usize];
+            let got = keep::label_logit(&kh, want_rows, v, r) as f64;
+            assert!((got - dot).abs() <= tol, "kept label logit [{r}] = {got:e}, want {dot:e} ± {tol:e} [{desc}]");
         }
     }
     // 3. The backward with the mode and without, against the reference and each other.
@@ -495,7 +521,7 @@ fn tp_two_ranks_keep_their_shards() {
                             ge: upload(&stream, gl).unwrap(),
                         };
                         let p = Problem::new(t, len, d);
-                        let budget = if budget_rows == usize::MAX { usize::MAX } else { 4 * budget_rows * keep::stride(len) };
+                        let budget = if budget_rows == usize::MAX { usize::MAX } else { budget_rows * keep::row_bytes(len) };
                         let tp = Some((comm as &dyn Communicator, shard));
                         let f0 = fwd_call((&head, &stream), &x, p, fo, None, tp);
                         let mut kept = f32_out(&stream, keep::len(t, len, budget));

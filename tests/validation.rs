@@ -72,10 +72,10 @@ fn misaligned(r: lmhead::Result<f32>, which: &str) {
 #[test]
 fn kept_logits_are_checked_in_both_passes() {
     let at = |i: u64| 0x1000_0000 + (i << 20);
-    let stride = lmhead::keep::stride(V);
-    assert_eq!(stride, 264);
+    assert_eq!(lmhead::keep::stride(V), 288);
     let all = FwdOptions { keep_logits: usize::MAX, ..FwdOptions::default() };
-    let need = T * stride;
+    let need = lmhead::keep::rows_len(T, V);
+    assert_eq!(need, T * (288 / 2 + 288 / 32 + 1));
     let with = |len: usize, ptr: u64| FwdCall { kept: Some(Buf::new("kept logits", ptr, len, 4)), ..good_fwd() };
     assert_eq!(validate::kept_rows(&with(need, at(9)), &all).unwrap(), T);
     validate::fwd(&with(need, at(9)), &all).unwrap();
@@ -98,7 +98,7 @@ fn kept_logits_are_checked_in_both_passes() {
     validate::bwd(&bwd(0, 0, at(9)), &o).unwrap();
     length(validate::bwd(&bwd(T, need - 1, at(9)), &o), "kept logits");
     misaligned(validate::bwd(&bwd(T, need, at(9) + 8), &o), "kept logits");
-    assert!(matches!(validate::bwd(&bwd(T + 1, need + stride, at(9)), &o), Err(Error::Invalid(_))), "more rows than t");
+    assert!(matches!(validate::bwd(&bwd(T + 1, lmhead::keep::rows_len(T + 1, V), at(9)), &o), Err(Error::Invalid(_))), "more rows than t");
     assert!(matches!(validate::bwd(&bwd(T - 1, need, at(9)), &o), Err(Error::Invalid(_))), "not whole tiles");
     assert!(matches!(validate::bwd(&bwd(T, need, at(7)), &o), Err(Error::Invalid(_))), "under dh");
     let big = |rows: usize| BwdCall {
@@ -110,7 +110,7 @@ fn kept_logits_are_checked_in_both_passes() {
         grad_entropy: None,
         grad_logprob: Some(Buf::new("grad_logprob", at(5), 300, 4)),
         dh: Buf::new("dh", at(7), 300 * D, 2),
-        kept: Some((Buf::new("kept logits", at(40), rows * stride, 4), rows)),
+        kept: Some((Buf::new("kept logits", at(40), lmhead::keep::rows_len(rows, V), 4), rows)),
         ..good_bwd()
     };
     validate::bwd(&big(256), &o).unwrap();
@@ -337,7 +337,9 @@ fn cpu_tensor_parallel_matches_unsharded() {
 }
 
 /// The CPU backend's kept-logits mode: the budget keeps the rows `keep::rows` says (all, whole
-/// 128-row tiles, none), the kept values are the raw dot products, and the backward with them
+/// 128-row tiles, none), the kept values are the raw dot products in the kept format
+/// (`keep::decode`: `q · 2^g` within fp16's rounding of `2^y`; the label's logit as f32), and
+/// the backward with them
 /// gives exactly the backward without them; a bad kept argument is the GPU's typed error.
 #[test]
 fn cpu_keeps_the_rows_the_budget_says_and_checks_them_as_the_gpu_does() {
@@ -347,19 +349,25 @@ fn cpu_keeps_the_rows_the_budget_says_and_checks_them_as_the_gpu_does() {
     let h: Vec<bf16> = case.h.iter().map(|&b| bf16::from_bits(b)).collect();
     let w: Vec<bf16> = case.w.iter().map(|&b| bf16::from_bits(b)).collect();
     let x = cpu::CpuInputs { h: &h, w: &w, labels: &case.labels, problem: Problem::new(t, v, d) };
-    let stride = lmhead::keep::stride(v);
-    let row_bytes = 4 * stride;
+    let row_bytes = lmhead::keep::row_bytes(v);
     for (budget, rows) in [(0, 0), (row_bytes * 127, 0), (row_bytes * 200, 128), (row_bytes * 299, 256), (usize::MAX, t)] {
         let fo = FwdOptions { keep_logits: budget, temperature: case.temperature as f32, ..Default::default() };
         let f = cpu::forward(&x, &fo, true).unwrap();
         assert_eq!(f.kept_rows, rows, "budget {budget}");
-        assert_eq!(f.kept.len(), rows * stride);
+        assert_eq!(f.kept.len(), lmhead::keep::rows_len(rows, v));
         let off = cpu::forward(&x, &FwdOptions { keep_logits: 0, ..fo.clone() }, true).unwrap();
         assert_eq!((&f.logprob, &f.lse, &f.entropy), (&off.logprob, &off.lse, &off.entropy), "outputs unchanged");
         if rows > 0 {
-            let (r, j) = (rows - 1, v / 2);
-            let dot: f64 = (0..d).map(|k| h[r * d + k].to_f64() * w[j * d + k].to_f64()).sum();
-            assert_eq!(f.kept[r * stride + j], dot as f32);
+            let scale2 = (std::f32::consts::LOG2_E * (1.0 / case.temperature as f32)) as f64;
+            let dot = |r: usize, j: usize| (0..d).map(|k| h[r * d + k].to_f64() * w[j * d + k].to_f64()).sum::<f64>();
+            let r = rows - 1;
+            for j in 0..v {
+                let (q, g) = lmhead::keep::decode(&f.kept, rows, v, r, j);
+                let (got, want) = (q as f64 * (g as f64).exp2(), (dot(r, j) as f32 as f64 * scale2).exp2());
+                assert!((got - want).abs() <= want * 1e-3 + (g as f64 - 24.0).exp2(), "kept [{r}][{j}]: {got:e}, want {want:e}");
+            }
+            let r = (0..rows).find(|&r| case.labels[r] >= 0).unwrap();
+            assert_eq!(lmhead::keep::label_logit(&f.kept, rows, v, r), dot(r, case.labels[r] as usize) as f32);
         }
         let g: Vec<f32> = (0..t).map(|i| 1.0 - (i % 3) as f32).collect();
         let bo = BwdOptions { temperature: case.temperature as f32, ..Default::default() };

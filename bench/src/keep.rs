@@ -158,7 +158,7 @@ fn measure(head: &LmHead, stream: &Arc<CudaStream>, c: &KeepCase, args: &Args) -
         step(head, stream, args.bwd_chunk, &mut b, ent, None)?;
     }
     let mem_off = mem_used(stream)?;
-    let full = 4 * t * lmhead::keep::stride(v);
+    let full = t * lmhead::keep::row_bytes(v);
     let budget = full.min((free_bytes() as f64 * FREE_FRACTION) as usize);
     let kept_len = lmhead::keep::len(t, v, budget);
     if kept_len == 0 {

@@ -1,10 +1,11 @@
 //! The CPU backend: the f64 reference behind the same validation as the GPU path, for machines
 //! without a GPU (and as the oracle of the tests). Results are returned in f32 like the GPU's.
 //!
-//! Kept logits ([`crate::keep`]): the forward keeps the rows `FwdOptions::keep_logits` says, as
-//! the GPU does (the raw dot products, f32, `[rows][stride]`, in [`CpuFwd::kept`]); the backward
-//! checks what it is given ([`CpuGrads::kept`]) as the GPU does and then computes every row in
-//! f64 (the kept values are not read: the f64 recompute is exact where f32 logits are not).
+//! Kept logits ([`crate::keep`]): the forward keeps the rows `FwdOptions::keep_logits` says, in
+//! the GPU's format ([`crate::keep::encode`] of the f64 dot products rounded to f32, in
+//! [`CpuFwd::kept`]); the backward checks what it is given ([`CpuGrads::kept`]) as the GPU does
+//! and then computes every row in f64 (the kept values are not read: the f64 recompute is exact
+//! where they are not).
 
 use lmhead_core::Problem;
 use lmhead_reference as reference;
@@ -45,8 +46,8 @@ pub struct CpuFwd {
     pub logprob: Vec<f32>,
     pub lse: Vec<f32>,
     pub entropy: Option<Vec<f32>>,
-    /// The kept logits ([`crate::keep`]): rows `[0, kept_rows)`, `keep::stride(v)` f32 each
-    /// (padding columns 0); empty without the mode.
+    /// The kept logits ([`crate::keep`]): the planes of rows `[0, kept_rows)`
+    /// ([`crate::keep::encode`]); empty without the mode.
     pub kept: Vec<f32>,
     pub kept_rows: usize,
 }
@@ -107,28 +108,34 @@ pub fn forward(x: &CpuInputs, opts: &FwdOptions, entropy: bool) -> Result<CpuFwd
     let (hb, wb) = (bits(x.h), bits(x.w));
     let r = reference::forward(&inputs(&hb, &wb, x.labels, x.problem, shard, opts.temperature, opts.ignore_index));
     let f = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<_>>();
-    let (kept, kept_rows) = keep(x, opts)?;
+    let (kept, kept_rows) = keep(x, shard, opts)?;
     Ok(CpuFwd { logprob: f(&r.logprob), lse: f(&r.lse), entropy: entropy.then(|| f(&r.entropy)), kept, kept_rows })
 }
 
 /// The kept logits of a forward (`crate::keep`): the raw dot products of the rows the budget
-/// keeps, accumulated in f64 and rounded to f32.
-fn keep(x: &CpuInputs, opts: &FwdOptions) -> Result<(Vec<f32>, usize)> {
+/// keeps, accumulated in f64, rounded to f32 and encoded as the GPU writes them (the label
+/// logit of rows whose label is one of this shard's columns).
+fn keep(x: &CpuInputs, shard: Shard, opts: &FwdOptions) -> Result<(Vec<f32>, usize)> {
     let p = x.problem;
     let rows = crate::keep::rows(p.t, p.v, opts.keep_logits);
     if rows > 0 && opts.naive() {
         return Err(Error::Invalid("the naive forward keeps no logits (keep_logits must be 0)".into()));
     }
-    let stride = crate::keep::stride(p.v);
-    let mut out = vec![0.0f32; rows * stride];
-    for (r, row) in out.chunks_mut(stride.max(1)).enumerate().take(rows) {
+    let mut logits = vec![0.0f32; rows * p.v];
+    for (r, row) in logits.chunks_mut(p.v.max(1)).enumerate().take(rows) {
         let h = &x.h[r * p.d..(r + 1) * p.d];
-        for (j, o) in row.iter_mut().take(p.v).enumerate() {
+        for (j, o) in row.iter_mut().enumerate() {
             let w = &x.w[j * p.d..(j + 1) * p.d];
             *o = h.iter().zip(w).map(|(a, b)| a.to_f64() * b.to_f64()).sum::<f64>() as f32;
         }
     }
-    Ok((out, rows))
+    let local = |l: i64| {
+        let j = l - shard.v_begin as i64;
+        (l != opts.ignore_index && j >= 0 && (j as usize) < p.v).then_some(j as usize)
+    };
+    let labels: Vec<Option<usize>> = x.labels[..rows].iter().map(|&l| local(l)).collect();
+    let scale2 = (lmhead_core::lse::LOG2_E as f32) * (1.0 / opts.temperature);
+    Ok((crate::keep::encode(&logits, p.v, &labels, scale2), rows))
 }
 
 /// What a backward is given of kept logits, checked as the GPU checks it (`validate::bwd`).
@@ -140,7 +147,7 @@ fn check_kept(p: Problem, kept: Option<(&[f32], usize)>) -> Result<()> {
     if rows != p.t && !rows.is_multiple_of(crate::keep::ROW_ALIGN) {
         return Err(Error::Invalid(format!("kept rows ({rows}) must be all t = {} rows or a multiple of {}", p.t, crate::keep::ROW_ALIGN)));
     }
-    let need = rows * crate::keep::stride(p.v);
+    let need = crate::keep::rows_len(rows, p.v);
     if k.len() < need {
         return Err(Error::Length { what: "kept logits", expected: need, got: k.len() });
     }
@@ -221,7 +228,7 @@ pub fn forward_tp(comm: &dyn HostComm, x: &CpuInputs, shard: Shard, opts: &FwdOp
     let r = reference::fwd::merge_shards(&[merged], labels, shard.v_total as i64, opts.ignore_index);
     let f = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<_>>();
     // Each rank keeps its shard's columns.
-    let (kept, kept_rows) = keep(x, opts)?;
+    let (kept, kept_rows) = keep(x, shard, opts)?;
     Ok(CpuFwd { logprob: f(&r.logprob), lse: f(&r.lse), entropy: entropy.then(|| f(&r.entropy)), kept, kept_rows })
 }
 

@@ -99,8 +99,8 @@ pub struct FwdCall {
 }
 
 /// Rows a forward call keeps ([`crate::keep::rows`] of its budget and local vocabulary), with
-/// its buffer checked: given where rows are kept, at least `rows · stride` elements, 16-byte
-/// aligned.
+/// its buffer checked: given where rows are kept, at least [`crate::keep::rows_len`] elements,
+/// 16-byte aligned.
 pub fn kept_rows(c: &FwdCall, opts: &FwdOptions) -> Result<usize> {
     let p = c.problem;
     let rows = crate::keep::rows(p.t, p.v, opts.keep_logits);
@@ -114,7 +114,7 @@ pub fn kept_rows(c: &FwdCall, opts: &FwdOptions) -> Result<usize> {
         return Err(Error::Invalid(format!(
             "keep_logits = {} bytes keeps {rows} rows: give the kept-logits buffer ({} f32, lmhead::keep::len)",
             opts.keep_logits,
-            rows * crate::keep::stride(p.v)
+            crate::keep::rows_len(rows, p.v)
         )));
     };
     kept_buf(k, rows, p.v)?;
@@ -124,7 +124,7 @@ pub fn kept_rows(c: &FwdCall, opts: &FwdOptions) -> Result<usize> {
 /// A kept-logits buffer of `rows` rows over a local vocabulary of `v`: long enough, 16-byte
 /// aligned (the backward reads it in 16-byte vectors).
 fn kept_buf(k: &Buf, rows: usize, v: usize) -> Result<()> {
-    let need = rows * crate::keep::stride(v);
+    let need = crate::keep::rows_len(rows, v);
     if k.len < need {
         return Err(Error::Length { what: k.what, expected: need, got: k.len });
     }
@@ -152,7 +152,7 @@ pub fn fwd(c: &FwdCall, opts: &FwdOptions) -> Result<f32> {
         e.exact(p.t, 4)?;
     }
     let kept = kept_rows(c, opts)?;
-    let kept_buf = if kept > 0 { c.kept.map(|k| Buf { len: kept * crate::keep::stride(p.v), ..k }) } else { None };
+    let kept_buf = if kept > 0 { c.kept.map(|k| Buf { len: crate::keep::rows_len(kept, p.v), ..k }) } else { None };
     let outs: Vec<Buf> = [Some(c.logprob), Some(c.lse), c.entropy, kept_buf].into_iter().flatten().collect();
     no_overlap(&outs, &[c.h, c.w, c.labels])?;
     Ok(inv_temp)
@@ -224,7 +224,7 @@ pub fn bwd(c: &BwdCall, opts: &BwdOptions) -> Result<f32> {
             )));
         }
         kept_buf(&k, rows, p.v)?;
-        kept_in = (rows > 0).then_some(Buf { len: rows * crate::keep::stride(p.v), ..k });
+        kept_in = (rows > 0).then_some(Buf { len: crate::keep::rows_len(rows, p.v), ..k });
     }
     let outs: Vec<Buf> = [Some(c.dh), c.dw].into_iter().flatten().collect();
     let ins: Vec<Buf> = [Some(c.h), Some(c.w), Some(c.labels), Some(c.lse), c.entropy, c.grad_logprob, c.grad_entropy, kept_in]

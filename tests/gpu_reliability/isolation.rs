@@ -86,7 +86,7 @@ fn sanitizer_every_kernel_at_tail_shapes() {
         let mut s = setup(&stream, t, v, d, 3);
         let labels: Vec<i64> = (0..t).map(|r| if r % 5 == 0 { lmhead_reference::IGNORE_INDEX } else { (r * 31 % v) as i64 }).collect();
         s.labels = upload(&stream, &labels).unwrap();
-        let budget = 4 * 299 * lmhead::keep::stride(v);
+        let budget = 299 * lmhead::keep::row_bytes(v);
         let mut kept: CudaSlice<f32> = stream.alloc_zeros(lmhead::keep::len(t, v, budget)).unwrap();
         let compaction = if i % 2 == 0 { lmhead::Compaction::Always } else { lmhead::Compaction::Off };
         let o = FwdOptions { config: Choice::Fixed(c), keep_logits: budget, compaction, ..Default::default() };

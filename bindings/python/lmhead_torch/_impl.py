@@ -113,10 +113,10 @@ def _oov_to_ignore(labels: torch.Tensor, cfg: _Cfg, v: int) -> torch.Tensor:
 _KEEP_ROW_ALIGN = 128
 
 
-def _keep_stride(v: int) -> int:
-    """Row stride (f32 elements) of the kept logits over a local vocabulary of ``v``
-    (``lmhead::keep::stride``)."""
-    return (v + 7) // 8 * 8
+def _keep_row_len(v: int) -> int:
+    """f32 elements one kept row takes over a local vocabulary of ``v``
+    (``lmhead::keep::row_bytes`` / 4, from the native library)."""
+    return _native.keep_row_bytes(v) // 4
 
 
 def _keep_rows(t, v: int, budget: int):
@@ -127,7 +127,7 @@ def _keep_rows(t, v: int, budget: int):
         return 0
     if budget < 0:
         return t
-    fit = budget // (4 * _keep_stride(v))
+    fit = budget // _native.keep_row_bytes(v)
     return t if fit >= t else fit // _KEEP_ROW_ALIGN * _KEEP_ROW_ALIGN
 
 
@@ -149,7 +149,7 @@ def _forward(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, cfg: _Cfg):
 
 def _forward_keep(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, cfg: _Cfg, keep: bool):
     """``_forward``'s outputs and the kept logits (``keep`` and ``_keeps``: f32
-    ``[rows · stride]``, else None; the rows are ``_keep_rows(t, v, cfg.keep)``)."""
+    ``[rows · _keep_row_len(v)]``, else None; the rows are ``_keep_rows(t, v, cfg.keep)``)."""
     t, d = h.shape
     v = w.shape[0]
     dev = h.device
@@ -180,7 +180,7 @@ def _forward_keep(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, cfg: _
         if keep and _keeps(h, w, cfg):
             rows = _keep_rows(t, v, cfg.keep)
             if rows > 0:
-                kept = torch.empty(rows * _keep_stride(v), dtype=torch.float32, device=dev)
+                kept = torch.empty(rows * _keep_row_len(v), dtype=torch.float32, device=dev)
                 budget = (1 << 64) - 1 if cfg.keep < 0 else cfg.keep
                 karg = (kept.data_ptr(), kept.numel(), budget)
         with _on_device(dev, cfg.tp is not None):

@@ -83,7 +83,7 @@ def _kept_len(h: Tensor, w: Tensor, cfg: _Cfg):
     may be symbolic)."""
     if not _impl._keeps(h, w, cfg):
         return 0
-    return _impl._keep_rows(h.shape[0], w.shape[0], cfg.keep) * _impl._keep_stride(w.shape[0])
+    return _impl._keep_rows(h.shape[0], w.shape[0], cfg.keep) * _impl._keep_row_len(w.shape[0])
 
 
 def _cast(x: Tensor, precision: str, fallback: bool) -> bool:
@@ -248,7 +248,7 @@ def fused_linear_logprob(
       outputs. ``reduce_hidden_grad``: all-reduce ``d hidden`` over the group (default) or leave
       this rank's partial sum for the caller (Megatron).
     - ``keep_logits``: keep the logits for the backward (``lmhead::keep``): ``True`` every row,
-      an ``int`` a budget in bytes (``4 · rows · ceil8(V)``: all rows when they fit, else whole
+      an ``int`` a budget in bytes (``rows · (2·S + S/8 + 4)``, ``S = ceil32(V)``: all rows when they fit, else whole
       128-row tiles; the rest are recomputed), ``None``/``False``/``0`` (the default) off. The
       backward then runs two GEMMs instead of three; the kept tensor is saved for the backward
       and freed with the graph. Nothing is kept under ``torch.no_grad`` or when no input requires

@@ -51,6 +51,13 @@ fn head(py: Python<'_>, ordinal: usize) -> PyResult<Arc<LmHead>> {
     Ok(m.entry(ordinal).or_insert(h).clone())
 }
 
+/// Bytes one kept row takes over a local vocabulary of `v` (`lmhead::keep::row_bytes`: the
+/// Python side sizes the kept buffer from the library's own format).
+#[pyfunction]
+fn keep_row_bytes(v: usize) -> usize {
+    lmhead::keep::row_bytes(v)
+}
+
 /// Whether a CUDA driver library can be loaded (no device is touched).
 #[pyfunction]
 fn driver_present() -> bool {
@@ -558,6 +565,7 @@ fn cpu_backward(py: Python<'_>, bufs: BwdBufs, sc: Scalars, reduce_dh: bool, com
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    m.add_function(wrap_pyfunction!(keep_row_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(driver_present, m)?)?;
     m.add_function(wrap_pyfunction!(device_supported, m)?)?;
     m.add_function(wrap_pyfunction!(device_info, m)?)?;

@@ -474,7 +474,9 @@ def test_keep_logits_is_accepted_and_checked():
     for bad in (-1, 1.5, "all"):
         with pytest.raises(ValueError):
             L.fused_linear_logprob(h, w, labels, keep_logits=bad)
+    row = 2 * 1024 + 4 * 1024 // 32 + 4  # lmhead::keep::row_bytes: fp16 q, group maxima, label
+    assert _impl._keep_row_len(1000) * 4 == row == _impl._keep_row_len(1003) * 4
     assert _impl._keep_rows(300, 1000, -1) == 300
-    assert _impl._keep_rows(300, 1000, 4 * 1000 * 299) == 256
-    assert _impl._keep_rows(300, 1003, 4 * 1008 * 300) == 300
-    assert _impl._keep_rows(300, 1000, 4 * 1000 * 127) == 0
+    assert _impl._keep_rows(300, 1000, row * 299) == 256
+    assert _impl._keep_rows(300, 1003, row * 300) == 300
+    assert _impl._keep_rows(300, 1000, row * 127) == 0

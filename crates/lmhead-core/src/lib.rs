@@ -16,6 +16,7 @@ pub mod bucket;
 pub mod compact;
 pub mod config;
 pub mod heuristics;
+pub mod kept;
 pub mod lse;
 pub mod params;
 pub mod problem;

@@ -77,14 +77,14 @@ pub struct LogitsParams {
     /// TMA configs: device address of two tensor maps (A = `h`, then B = `W`; 128 bytes each,
     /// 64-byte aligned) the host encoded for this launch. 0 otherwise.
     pub tmaps: u64,
-    /// Kept logits (`FwdOptions::keep_logits`): f32 `[kept_rows][kept_stride]`, the raw dot
-    /// products `h·wᵀ` of the rows `< kept_rows` (rows of the caller's call: a compacted call
-    /// maps its rows through `kept_map`). Written by the forward's `_keep` entries, read by
-    /// `DLOGITS_KEPT`; 0 = none.
+    /// Kept logits (`FwdOptions::keep_logits`) of the rows `< kept_rows` (rows of the caller's
+    /// call: a compacted call maps its rows through `kept_map`), in the planes of
+    /// [`crate::kept`]. Written by the forward's `_keep` entries, read by `DLOGITS_KEPT`;
+    /// 0 = none.
     pub kept: u64,
     /// u32 `[t]`: this launch's row → the caller's row (`kept`'s row), 0 = the identity.
     pub kept_map: u64,
-    /// Row stride of `kept` in elements (a multiple of 8, ≥ `v`).
+    /// Row stride of `kept`'s planes in columns ([`crate::kept::stride`] of `v`).
     pub kept_stride: u64,
     /// Rows `kept` holds (caller's rows).
     pub kept_rows: u32,

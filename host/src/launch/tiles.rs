@@ -61,8 +61,8 @@ impl LogitsIn<'_, '_> {
     }
 }
 
-/// The kept logits of a call (`crate::keep`): `buf` holds `rows` rows of the caller's call,
-/// `stride` f32 each; a launch on compacted rows maps its row `i` to the caller's row `map[i]`
+/// The kept logits of a call (`crate::keep`): `buf` holds the planes of `rows` rows of the
+/// caller's call (`lmhead_core::kept`, row stride `stride`); a launch on compacted rows maps its row `i` to the caller's row `map[i]`
 /// (u32 `[launch rows]`; `None`: the identity). In the backward, the launch's rows
 /// `[0, prefix)` are read from it (their caller rows are below `rows`); the forward ignores
 /// `prefix`.
@@ -75,13 +75,13 @@ pub struct KeptOut<'a, 'b> {
 }
 
 impl KeptOut<'_, '_> {
-    /// The kept fields of a launch over `t` rows: the buffer holds `rows · stride` elements
+    /// The kept fields of a launch over `t` rows: the buffer holds `keep::rows_len` elements
     /// (16-byte aligned), the map `t` rows.
     fn fill(&self, t: usize, v: usize, p: &mut LogitsParams) -> Result<()> {
-        if !self.stride.is_multiple_of(8) || self.stride < v || self.rows > u32::MAX as usize || self.rows == 0 {
+        if self.stride != crate::keep::stride(v) || self.rows > u32::MAX as usize || self.rows == 0 {
             return Err(Error::Config(format!("kept logits: {} rows of stride {} for v = {v}", self.rows, self.stride)));
         }
-        p.kept = self.buf.check(self.rows * self.stride, 16)?;
+        p.kept = self.buf.check(crate::keep::rows_len(self.rows, v), 16)?;
         p.kept_stride = self.stride as u64;
         p.kept_rows = self.rows as u32;
         p.kept_map = match self.map {
@@ -94,7 +94,7 @@ impl KeptOut<'_, '_> {
 
 /// The forward mainloop: writes `partials[slot][row]` for every slot of `plan` (a split's main
 /// block, then its filler: [`lmhead_core::split::SplitPlan::blocks_per_row`]) and row `< t`;
-/// with `kept`, the config's `_keep` twin, which also writes the raw logits of every row whose
+/// with `kept`, the config's `_keep` twin, which also writes the kept logits of every row whose
 /// caller row is below `kept.rows` (columns `< v`, and padding columns up to the stride).
 /// Returns the plan as launched (`n_splits` from `tiles_per_split`).
 pub fn fwd_mainloop(
@@ -249,12 +249,12 @@ pub fn bwd_dlogits(
     Ok(())
 }
 
-/// Columns of a chunk one block of [`bwd_dlogits_kept`] covers: 8 per thread.
-pub const KEPT_BLOCK_COLS: usize = 8 * fixed::THREADS as usize;
+/// Columns of a chunk one block of [`bwd_dlogits_kept`] covers.
+pub const KEPT_BLOCK_COLS: usize = lmhead_core::kept::READ_COLS * fixed::THREADS as usize;
 
 /// Backward d-logits of `chunk` for the launch's rows `[0, kept.prefix)` from the kept logits
-/// into `staging [prefix][chunk.stride]` (columns past the chunk zero), the same function of the
-/// same f32 logits as [`bwd_dlogits`]'s recompute. Reads `lse`, the gradients and the labels of
+/// into `staging [prefix][chunk.stride]` (columns past the chunk zero), the same function as
+/// [`bwd_dlogits`]'s recompute of the logits as kept. Reads `lse`, the gradients and the labels of
 /// those rows (`x.labels`, `g` may be longer); `h` and `W` are not read.
 pub fn bwd_dlogits_kept(
     gpu: &Gpu,

@@ -87,6 +87,31 @@ pub(crate) unsafe fn one_row_coeffs<const ENT: bool>(p: &LogitsParams, row: u32)
 }
 
 impl<const MI: usize> RowCoeffs<MI> {
+    /// `−lse · log2e` of row `(mi, h)`.
+    #[inline(always)]
+    pub(crate) fn neg_lse2(&self, mi: usize, h: usize) -> f32 {
+        -self.lse2[mi][h]
+    }
+
+    /// The label's column of row `(mi, h)` relative to the chunk (−1: none in it).
+    #[inline(always)]
+    pub(crate) fn label(&self, mi: usize, h: usize) -> i32 {
+        self.label[mi][h]
+    }
+
+    /// The f32 d-logit of column `c` (relative to the chunk) of row `(mi, h)` from its
+    /// probability `pr` and its logit `z = a / T` (read only with `ENT`):
+    /// `g_ℓ (onehot − p) − g_H p (z − μ)`, the `1/T` in the coefficients.
+    #[inline(always)]
+    pub(crate) fn dlogit<const ENT: bool>(&self, mi: usize, h: usize, c: u32, pr: f32, z: f32) -> f32 {
+        let onehot = if c as i32 == self.label[mi][h] { 1.0 } else { 0.0 };
+        let mut x = self.gl[mi][h] * (onehot - pr);
+        if ENT {
+            x -= self.ge[mi][h] * pr * (z - self.mu[mi][h]);
+        }
+        x
+    }
+
     /// Whether row `(mi, h)`'s gradient coefficients are both zero (an ignored row, or zero
     /// upstream gradients): its d-logits are zero whatever its logits.
     #[inline(always)]
@@ -110,12 +135,7 @@ pub(crate) fn dlogits_pair<const MI: usize, const ENT: bool>(
     let mut g = [0.0f32; 2];
     unroll!(2, |e| {
         let pr = exp2(fma(raw[e], p.scale2, neg_lse2));
-        let onehot = if (c + e as u32) as i32 == co.label[mi][h] { 1.0 } else { 0.0 };
-        let mut x = co.gl[mi][h] * (onehot - pr);
-        if ENT {
-            let z = raw[e] * p.inv_temp;
-            x -= co.ge[mi][h] * pr * (z - co.mu[mi][h]);
-        }
+        let x = co.dlogit::<ENT>(mi, h, c + e as u32, pr, raw[e] * p.inv_temp);
         g[e] = if c + (e as u32) < p.v_chunk { x } else { 0.0 };
     });
     intrinsics::pack_bf16x2(g[0], g[1])

@@ -5,6 +5,7 @@
 //! With `ENT = false` the `t` sums are never stored, so their arithmetic is dead code and is
 //! removed: the log-prob-only instance does no entropy work.
 
+use crate::epilogue::kept::{self, KeptRows};
 use crate::epilogue::{Acc, WarpPos};
 use crate::intrinsics::{self, exp2, fma, max_nan};
 use lmhead_core::lse::Lse2;
@@ -94,9 +95,17 @@ pub unsafe fn store_partials<const BM: usize, const WN: usize, const MI: usize, 
 /// Per row: the tile maximum of `y = acc · scale2` (`scale2 = log2 e / temperature > 0`, so the
 /// maximum of `acc` scaled is the maximum of `y`), the state moved to the new maximum, then
 /// `s += 2^{y − m}` (and `t += 2^{u} u`) per column. Columns past `v` are padding: `acc = −∞`.
+///
+/// With `KEEP`, also the kept logits of this thread's kept rows (`crate::epilogue::kept`): `q` of
+/// each column from the fold's `2^{y − m}`, the group maxima and the label's raw logit. The fold
+/// itself is the same arithmetic either way.
+///
+/// # Safety
+/// The whole warp calls this converged; with `KEEP`, `p.kept` as `epilogue::kept::store_q`
+/// needs it.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn fold_tile<const BN: usize, const MI: usize, const NI: usize, const ENT: bool>(
+pub(crate) unsafe fn fold_tile<const BN: usize, const MI: usize, const NI: usize, const ENT: bool, const KEEP: bool>(
     p: &LogitsParams,
     w: &WarpPos,
     n0: u32,
@@ -104,6 +113,7 @@ pub(crate) fn fold_tile<const BN: usize, const MI: usize, const NI: usize, const
     st: &mut [[Lse2<f32>; 2]; MI],
     z_label: &mut [[f32; 2]; MI],
     label: &[[i32; 2]; MI],
+    kept: &KeptRows<MI>,
 ) {
     let scale2 = p.scale2;
     // n0 < v < 2^31 and BN ≤ 256: no overflow.
@@ -131,6 +141,10 @@ pub(crate) fn fold_tile<const BN: usize, const MI: usize, const NI: usize, const
                     unroll!(2, |e| {
                         if dcol == (ni * 8 + e) as i32 {
                             z_label[mi][h] = acc[mi][ni][2 * h + e] * p.inv_temp;
+                            if KEEP {
+                                // SAFETY: the kept buffer per the caller's contract.
+                                unsafe { kept::store_label(p, kept, mi, h, acc[mi][ni][2 * h + e]) };
+                            }
                         }
                     });
                 });
@@ -142,13 +156,33 @@ pub(crate) fn fold_tile<const BN: usize, const MI: usize, const NI: usize, const
             // NaN-propagating maximum: a row of NaN logits must not look like an all-padding
             // tile (which is skipped) and silently drop out of the sums.
             let mut tmax = f32::NEG_INFINITY;
-            unroll!(NI, |ni| {
-                tmax = max_nan(max_nan(tmax, acc[mi][ni][2 * h]), acc[mi][ni][2 * h + 1]);
-            });
+            // With KEEP, the same maximum from this thread's maxima of each group (the same
+            // value: a maximum is exact), and the kept format's group maxima from them (every
+            // lane: shuffles; the whole warp is converged here, per the caller).
+            let mut gm = [f32::NEG_INFINITY; 8];
+            if KEEP {
+                // SAFETY: converged (caller).
+                gm = unsafe { kept::group_max::<MI, NI>(acc, mi, h, &mut tmax) };
+            } else {
+                unroll!(NI, |ni| {
+                    tmax = max_nan(max_nan(tmax, acc[mi][ni][2 * h]), acc[mi][ni][2 * h + 1]);
+                });
+            }
+            let first_lane = w.lane & 3 == 0;
             if tmax != f32::NEG_INFINITY {
                 let mut x = st[mi][h].absorb_max(tmax * scale2, exp2);
                 let neg_m = -x.m;
+                // `q = 2^{y − m} · 2^{m − g}` per group (an all-padding group: 0). The exponent
+                // is capped where `2^{y − m}` has flushed to 0 anyway (`y − g` below −126 + …).
+                let mut qs = [[0.0f32; 2]; 8];
+                if KEEP {
+                    unroll!(NI / 4, |g| {
+                        let g2 = gm[g] * scale2;
+                        qs[g] = [g2, if g2 == f32::NEG_INFINITY { 0.0 } else { exp2((x.m - g2).min(126.0)) }];
+                    });
+                }
                 unroll!(NI, |ni| {
+                    let mut q = [0.0f32; 2];
                     unroll!(2, |e| {
                         let u = fma(acc[mi][ni][2 * h + e], scale2, neg_m);
                         let pe = exp2(u);
@@ -156,9 +190,23 @@ pub(crate) fn fold_tile<const BN: usize, const MI: usize, const NI: usize, const
                         if ENT {
                             x.t = fma(pe, u.max(f32::MIN), x.t);
                         }
+                        if KEEP {
+                            q[e] = pe * qs[ni / 4][1];
+                        }
                     });
+                    if KEEP {
+                        let [g2, _] = qs[ni / 4];
+                        // SAFETY: the kept buffer per the caller's contract; columns are even.
+                        unsafe { kept::store_q(p, kept, mi, h, n0 + w.col(ni, 0), (q[0], q[1]), ni % 4 == 0 && first_lane, g2) };
+                    }
                 });
                 st[mi][h] = x;
+            } else if KEEP {
+                // All of this thread's columns are padding: q = 0, group maxima −∞ (never read).
+                unroll!(NI, |ni| {
+                    // SAFETY: as above.
+                    unsafe { kept::store_q(p, kept, mi, h, n0 + w.col(ni, 0), (0.0, 0.0), ni % 4 == 0 && first_lane, gm[ni / 4] * scale2) };
+                });
             }
         });
     });

@@ -1,14 +1,20 @@
-//! The forward's kept logits (`FwdOptions::keep_logits`): each finished logits tile's raw dot
-//! products written, before the fold, into the kept buffer `[kept_rows][kept_stride]` f32 at the
-//! caller's row of each row (a compacted launch maps its rows through `kept_map`). The backward
-//! reads them back in `crate::kept` instead of recomputing the tile.
+//! The forward's kept logits (`FwdOptions::keep_logits`) in the format of
+//! `lmhead_core::kept`: while `epilogue::fwd::fold_tile` folds a finished tile, the `_keep` entry
+//! also writes, for each of this thread's kept rows, `q = 2^{y − g}` of its columns (fp16), the
+//! maximum `g` of each 32-column group (f32) and the label's raw logit (f32), at the caller's row
+//! of each row (a compacted launch maps its rows through `kept_map`). The backward reads them
+//! back in `crate::kept` instead of recomputing the tile.
 //!
-//! Stores are `st.global.cs.v2.f32` straight from the `m16n8` fragments: the four lanes of a
-//! quad write one 32-byte sector of a row, so every sector is written whole; `.cs` marks the
-//! lines evict-first, so the gigabytes written do not push the operands out of L2.
+//! `q` reuses the fold's own `2^{y − m}` (`m` the row state's maximum) times one `2^{m − g}` per
+//! group, so the mode adds a multiply and half a conversion per logit to the fold, no `ex2`; the
+//! fold's arithmetic, and so the log-probs and entropy, are those of the plain entry. Stores are
+//! `st.global.cs` (evict-first, so the gigabytes written do not push the operands out of L2):
+//! `q` as one 4-byte pair per `m16n8` fragment row (a quad writes 16 bytes of a row), the group
+//! maxima by the first lane of each quad.
 
 use super::{Acc, WarpPos};
-use crate::intrinsics;
+use crate::intrinsics::{self, max_nan};
+use lmhead_core::kept::{label_plane, max_plane, GROUP};
 use lmhead_core::params::LogitsParams;
 
 /// No kept row.
@@ -49,34 +55,77 @@ pub(crate) unsafe fn kept_rows<const MI: usize>(p: &LogitsParams, w: &WarpPos, m
     k
 }
 
-/// Write the raw logits of one finished tile (`acc`, columns `n0 + w.col(..)` of the local
-/// vocab) of this thread's kept rows; columns at or past `kept_stride` are not written (those
-/// past `v` and below the stride hold whatever the tile holds there, and are never read).
+/// The maximum raw logit of each 32-column group of this warp's columns of the tile in row
+/// `(mi, h)`: `[g]` for the n8 tiles `4g..4g + 4` (`g < NI / 4`; the rest unused; the four lanes
+/// of a quad hold a row's 32 columns of a group, their maxima merged by shuffles).
+/// NaN-propagating, as the fold's maximum; `tmax` takes this thread's own maximum of the row
+/// (the fold's, from the same values).
 ///
 /// # Safety
-/// `p.kept` holds `kept_rows · kept_stride` f32, 16-byte aligned; `kept_stride` even.
+/// The whole warp calls this converged (shuffles).
 #[inline(always)]
-pub(crate) unsafe fn store_kept<const MI: usize, const NI: usize>(
-    p: &LogitsParams,
-    w: &WarpPos,
-    n0: u32,
-    acc: &Acc<MI, NI>,
-    k: &KeptRows<MI>,
-) {
-    unroll!(MI, |mi| {
-        unroll!(2, |h| {
-            let row = k.row[mi][h];
-            if row != NONE {
-                let base = (p.kept as *mut f32).wrapping_add(row as usize * p.kept_stride as usize);
-                unroll!(NI, |ni| {
-                    let c = n0 + w.col(ni, 0);
-                    if (c as u64) < p.kept_stride {
-                        // SAFETY: row < kept_rows and c + 1 < kept_stride (c and the stride are
-                        // even): inside the buffer; 8-byte aligned for the same reason.
-                        unsafe { intrinsics::st_global_cs_v2(base.add(c as usize), acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]) };
-                    }
-                });
-            }
+pub(crate) unsafe fn group_max<const MI: usize, const NI: usize>(acc: &Acc<MI, NI>, mi: usize, h: usize, tmax: &mut f32) -> [f32; 8] {
+    const { assert!(GROUP == 32 && (NI == 4 || NI == 8), "a group is 4 n8 tiles of one warp") };
+    let mut gm = [f32::NEG_INFINITY; 8];
+    unroll!(NI / 4, |g| {
+        let mut x = f32::NEG_INFINITY;
+        unroll!(4, |j| {
+            x = max_nan(max_nan(x, acc[mi][4 * g + j][2 * h]), acc[mi][4 * g + j][2 * h + 1]);
         });
+        *tmax = max_nan(*tmax, x);
+        unroll!(2, |i| {
+            // SAFETY: the whole warp executes these shuffles (caller).
+            x = max_nan(x, unsafe { intrinsics::shfl_xor(x, 1 << i) });
+        });
+        gm[g] = x;
     });
+    gm
+}
+
+/// Write the fp16 pair `(q0, q1)` of columns `c, c + 1` (local vocab) of kept row `(mi, h)`, and
+/// with `first_of_group` (column `c` begins a group, on the quad's first lane) the group's
+/// maximum `g2` (scaled, `y` units); nothing at or past `kept_stride`.
+///
+/// # Safety
+/// `p.kept` holds the planes of `kept_rows` rows of stride `kept_stride` (`lmhead_core::kept`),
+/// 16-byte aligned; `c` even.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn store_q<const MI: usize>(
+    p: &LogitsParams,
+    k: &KeptRows<MI>,
+    mi: usize,
+    h: usize,
+    c: u32,
+    q: (f32, f32),
+    first_of_group: bool,
+    g2: f32,
+) {
+    let row = k.row[mi][h];
+    if row != NONE && (c as u64) < p.kept_stride {
+        let s = p.kept_stride;
+        let idx = row as u64 * s + c as u64;
+        // SAFETY: row < kept_rows and c + 1 < kept_stride (both even): inside the q plane,
+        // 4-byte aligned.
+        unsafe { intrinsics::st_global_cs_b32((p.kept as *mut u16).add(idx as usize) as *mut u32, intrinsics::pack_f16x2(q.0, q.1)) };
+        if first_of_group {
+            let off = max_plane(p.kept_rows as u64, s) / 4 + row as u64 * (s / GROUP as u64) + c as u64 / GROUP as u64;
+            // SAFETY: c / GROUP < s / GROUP (c < s, s a multiple of GROUP): inside the maxima.
+            unsafe { *(p.kept as *mut f32).add(off as usize) = g2 };
+        }
+    }
+}
+
+/// Write the label's raw logit `raw` of kept row `(mi, h)`.
+///
+/// # Safety
+/// As for [`store_q`].
+#[inline(always)]
+pub(crate) unsafe fn store_label<const MI: usize>(p: &LogitsParams, k: &KeptRows<MI>, mi: usize, h: usize, raw: f32) {
+    let row = k.row[mi][h];
+    if row != NONE {
+        let off = label_plane(p.kept_rows as u64, p.kept_stride) / 4 + row as u64;
+        // SAFETY: row < kept_rows: inside the label plane.
+        unsafe { *(p.kept as *mut f32).add(off as usize) = raw };
+    }
 }

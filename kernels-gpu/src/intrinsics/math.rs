@@ -1,5 +1,5 @@
-//! Arithmetic and conversions: `ex2` / `lg2`, `fma`, the NaN-propagating max, and the bf16x2
-//! packing conversion.
+//! Arithmetic and conversions: `ex2` / `lg2`, `fma`, the NaN-propagating max, the bf16x2 and
+//! f16x2 packing conversions and the f16 unpacking one.
 
 use core::arch::asm;
 
@@ -50,4 +50,30 @@ pub fn pack_bf16x2(lo: f32, hi: f32) -> u32 {
         asm!("cvt.rn.bf16x2.f32 {r}, {h}, {l};", r = out(reg32) r, h = in(reg32) hi, l = in(reg32) lo, options(pure, nomem, nostack))
     };
     r
+}
+
+/// Two f32 rounded to fp16 (round to nearest even; below fp16's range, 0) and packed: `lo` in
+/// bits 0..16, `hi` in 16..32.
+#[inline(always)]
+pub fn pack_f16x2(lo: f32, hi: f32) -> u32 {
+    let r: u32;
+    // SAFETY: a pure conversion instruction.
+    unsafe {
+        asm!("cvt.rn.f16x2.f32 {r}, {h}, {l};", r = out(reg32) r, h = in(reg32) hi, l = in(reg32) lo, options(pure, nomem, nostack))
+    };
+    r
+}
+
+/// The two fp16 of a packed pair as f32 (exact): `(bits 0..16, bits 16..32)`.
+#[inline(always)]
+pub fn unpack_f16x2(x: u32) -> (f32, f32) {
+    let (lo, hi): (f32, f32);
+    // SAFETY: pure conversion instructions.
+    unsafe {
+        asm!(
+            "{{ .reg .b16 l, h; mov.b32 {{l, h}}, {x}; cvt.f32.f16 {lo}, l; cvt.f32.f16 {hi}, h; }}",
+            x = in(reg32) x, lo = out(reg32) lo, hi = out(reg32) hi, options(pure, nomem, nostack)
+        )
+    };
+    (lo, hi)
 }

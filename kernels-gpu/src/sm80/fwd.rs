@@ -10,7 +10,7 @@
 
 use super::mainloop::{self, Operand};
 use crate::epilogue::fwd::{fold_tile, store_partials};
-use crate::epilogue::kept::{kept_rows, store_kept};
+use crate::epilogue::kept::{kept_rows, KeptRows};
 use crate::epilogue::labels::{load_label, local_column};
 use crate::epilogue::{Acc, WarpPos};
 use crate::intrinsics;
@@ -23,7 +23,7 @@ use lmhead_core::params::LogitsParams;
 /// Launched with `WM·WN·32` threads, a grid of `(ceil(t/BM), n_splits)` blocks and
 /// `max(ring, reduction)` bytes of dynamic shared memory; `p` describes valid device buffers:
 /// `h [t][d]`, `W [v][d]` (bf16), labels `[t]`, partials `[n_splits][t]`; with `KEEP` also the
-/// kept logits as `epilogue::kept::store_kept` needs them (and `p.kept_map` 0 or `t` rows).
+/// kept logits as `epilogue::kept::store_q` needs them (and `p.kept_map` 0 or `t` rows).
 #[inline(always)]
 pub unsafe fn fwd<
     const BM: usize,
@@ -94,13 +94,13 @@ pub unsafe fn fwd<
     let finish = #[inline(always)]
     |tile: u32, acc: &mut Acc<MI, NI>| {
         let n0 = (tile_begin + tile) * BN as u32;
-        if KEEP {
-            // The kept rows are looked up per tile (L1 hits), not held across the mainloop: the
-            // instance without the mode then has no new variable, and its PTX stays the same.
-            // SAFETY: the kept buffer and map per the kernel contract.
-            unsafe { store_kept::<MI, NI>(p, &w, n0, acc, &kept_rows::<MI>(p, &w, m0)) };
-        }
-        fold_tile::<BN, MI, NI, ENT>(p, &w, n0, acc, &mut st, &mut z_label, &label);
+        // The kept rows are looked up per tile (L1 hits), not held across the mainloop: the
+        // instance without the mode then has no new variable, and its PTX stays the same.
+        // SAFETY: the kept map per the kernel contract (not read without KEEP).
+        let kept = if KEEP { unsafe { kept_rows::<MI>(p, &w, m0) } } else { KeptRows::none() };
+        // SAFETY: every thread of the block runs this converged; the kept buffer per the kernel
+        // contract.
+        unsafe { fold_tile::<BN, MI, NI, ENT, KEEP>(p, &w, n0, acc, &mut st, &mut z_label, &label, &kept) };
     };
     // SAFETY: all threads call with the same trip counts; the ring is the dynamic shared memory.
     unsafe { mainloop::pipeline::<ST, Acc<MI, NI>>(ring, stage_bytes, n_tiles, kt, &mut acc, load, compute, finish) };

@@ -7,7 +7,7 @@ use super::pipeline::{tma_pipeline, tma_split, BK};
 use super::{block_work, half, warp_pos, WgAcc};
 use crate::body::Grid;
 use crate::epilogue::fwd::{fold_tile, store_partials};
-use crate::epilogue::kept::{kept_rows, store_kept, KeptRows};
+use crate::epilogue::kept::{kept_rows, KeptRows};
 use crate::epilogue::labels::{load_label, local_column};
 use crate::intrinsics;
 use lmhead_core::lse::Lse2;
@@ -20,7 +20,7 @@ use lmhead_core::params::LogitsParams;
 /// `(ceil(t/BM), n_splits)` blocks, or `2·n_splits` with `p.fill > 0` (less than the last
 /// split's length; partials `[2·n_splits][t]`), and `(BM + BN)·64·2·ST` bytes of dynamic shared
 /// memory (plus `16·ST` for the mbarriers, and `p.tmaps` set); `p` describes valid device
-/// buffers as for `sm80::fwd::fwd`. With `KEEP`, also `p.kept` as `epilogue::kept::store_kept`
+/// buffers as for `sm80::fwd::fwd`. With `KEEP`, also `p.kept` as `epilogue::kept::store_q`
 /// needs it (and `p.kept_map` 0 or `t` rows).
 #[inline(always)]
 pub unsafe fn fwd_wg<
@@ -65,11 +65,11 @@ pub unsafe fn fwd_wg<
         let n0 = n0_first + tile * BN as u32;
         unroll!(NW, |nb| {
             unroll!(2, |h| {
-                if KEEP {
-                    // SAFETY: the kept buffer per the kernel contract.
-                    unsafe { store_kept::<1, 8>(p, &w, n0 + (nb * 128 + h * 64) as u32, half(acc, nb, h), &kept) };
-                }
-                fold_tile::<64, 1, 8, ENT>(p, &w, n0 + (nb * 128 + h * 64) as u32, half(acc, nb, h), &mut st, &mut z_label, &label);
+                // SAFETY: the consumer warps run this converged; the kept buffer per the kernel
+                // contract.
+                unsafe {
+                    fold_tile::<64, 1, 8, ENT, KEEP>(p, &w, n0 + (nb * 128 + h * 64) as u32, half(acc, nb, h), &mut st, &mut z_label, &label, &kept)
+                };
             });
         });
     };
