@@ -16,15 +16,18 @@
 //! Every output, and the kept buffer, is poisoned (NaN bytes) before each call. Per case:
 //! 1. the forward's log-prob, lse and entropy with the mode are bitwise those without (the
 //!    `_keep` entry folds what the plain one folds); `kept_rows` is `keep::rows` of the budget;
-//! 2. kept logits of sampled computed rows are the f64 dot products within the tensor cores'
-//!    accumulation bound `2⁻²²·(d/16 + 4)·Σ|h_k w_k|` (`tests/gpu_fwd.rs`);
+//! 2. the kept logits of sampled computed rows, decoded (`keep::decode`, the format of
+//!    `lmhead_core::kept`): each group maximum the f64 maximum within the tensor cores'
+//!    accumulation bound `2⁻²²·(d/16 + 4)·Σ|h_k w_k|` (`tests/gpu_fwd.rs`), each `q` within
+//!    fp16's rounding of `2^{y − g}` at that bound, exactly 1 at its group's maximum, and the
+//!    label's raw logit within the bound;
 //! 3. `dh` and `dW` with the mode, and without, each within `gpu_bwd`'s thresholds of the f64
 //!    reference (6e-3 bf16 / 4e-3 f32 of `max(‖ref‖, ‖rss‖)`), and the two within that of each
 //!    other; ignored rows of `dh` exactly zero; the backward's `kept_rows` as expected.
 //!
-//! The d-logits of a kept row are the same function (`dlogits_pair`) of the same f32 logit as
-//! the recompute's, so the two agree to the bit where the forward's and the d-logits' tensor-core
-//! sums agree; the line of each case prints the share of equal bits (`dh_same`).
+//! The d-logits of a kept row are the same function (`RowCoeffs::dlogit`) as the recompute's, of
+//! `p` within fp16's rounding of the f32 one, so most of them round to the same bf16 as the
+//! recompute's; the line of each case prints the share of equal bits (`dh_same`).
 
 use std::sync::Arc;
 

@@ -58,9 +58,7 @@ pub fn pack_bf16x2(lo: f32, hi: f32) -> u32 {
 pub fn pack_f16x2(lo: f32, hi: f32) -> u32 {
     let r: u32;
     // SAFETY: a pure conversion instruction.
-    unsafe {
-        asm!("cvt.rn.f16x2.f32 {r}, {h}, {l};", r = out(reg32) r, h = in(reg32) hi, l = in(reg32) lo, options(pure, nomem, nostack))
-    };
+    unsafe { asm!("cvt.rn.f16x2.f32 {r}, {h}, {l};", r = out(reg32) r, h = in(reg32) hi, l = in(reg32) lo, options(pure, nomem, nostack)) };
     r
 }
 

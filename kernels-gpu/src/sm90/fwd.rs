@@ -68,7 +68,16 @@ pub unsafe fn fwd_wg<
                 // SAFETY: the consumer warps run this converged; the kept buffer per the kernel
                 // contract.
                 unsafe {
-                    fold_tile::<64, 1, 8, ENT, KEEP>(p, &w, n0 + (nb * 128 + h * 64) as u32, half(acc, nb, h), &mut st, &mut z_label, &label, &kept)
+                    fold_tile::<64, 1, 8, ENT, KEEP>(
+                        p,
+                        &w,
+                        n0 + (nb * 128 + h * 64) as u32,
+                        half(acc, nb, h),
+                        &mut st,
+                        &mut z_label,
+                        &label,
+                        &kept,
+                    )
                 };
             });
         });
