@@ -38,7 +38,14 @@ use cudarc::driver::DevicePtr;
 /// rows are kept.
 pub const ROW_ALIGN: usize = 128;
 
+use lmhead_core::kept::{label_plane, max_plane};
 pub use lmhead_core::kept::{row_bytes, stride, GROUP};
+
+/// Element (4-byte) offsets of the group maxima and the label logits in a buffer of `rows` rows
+/// of stride `s` (`lmhead_core::kept`'s planes).
+fn planes(rows: usize, s: usize) -> (usize, usize) {
+    ((max_plane(rows as u64, s as u64) / 4) as usize, (label_plane(rows as u64, s as u64) / 4) as usize)
+}
 
 /// Rows of a `t`-token call over a local vocabulary of `v` that a budget of `budget` bytes
 /// keeps (module docs).
@@ -71,8 +78,9 @@ pub fn len(t: usize, v: usize, budget: usize) -> usize {
 pub fn encode(logits: &[f32], v: usize, labels: &[Option<usize>], scale2: f32) -> Vec<f32> {
     let (rows, s) = (labels.len(), stride(v));
     let mut out = vec![0f32; rows_len(rows, v)];
-    let (q_plane, rest) = out.split_at_mut(rows * s / 2);
-    let (max_plane, label_plane) = rest.split_at_mut(rows * (s / GROUP));
+    let (maxima, label_logits) = planes(rows, s);
+    let (q_plane, rest) = out.split_at_mut(maxima);
+    let (max_plane, label_plane) = rest.split_at_mut(label_logits - maxima);
     for (r, label) in labels.iter().enumerate() {
         let row = &logits[r * v..(r + 1) * v];
         for g in 0..s / GROUP {
@@ -104,13 +112,12 @@ pub fn decode(kept: &[f32], rows: usize, v: usize, r: usize, j: usize) -> (f32, 
     let s = stride(v);
     let w = kept[(r * s + j) / 2].to_bits();
     let bits = if j.is_multiple_of(2) { w & 0xffff } else { w >> 16 };
-    (half::f16::from_bits(bits as u16).to_f32(), kept[rows * s / 2 + r * (s / GROUP) + j / GROUP])
+    (half::f16::from_bits(bits as u16).to_f32(), kept[planes(rows, s).0 + r * (s / GROUP) + j / GROUP])
 }
 
 /// The label logit of row `r` in [`encode`]'s planes.
 pub fn label_logit(kept: &[f32], rows: usize, v: usize, r: usize) -> f32 {
-    let s = stride(v);
-    kept[rows * s / 2 + rows * (s / GROUP) + r]
+    kept[planes(rows, stride(v)).1 + r]
 }
 
 /// What a backward reads of the forward's kept logits: the buffer and how many rows it holds
