@@ -253,7 +253,7 @@ impl LmHead {
             x: LogitsIn { dims: Dims { t: p.t, v: p.v, d: p.d }, sc, h: &h, w: &w, labels: &labels },
             g: DlogitsIn { lse: &lse, grad_logprob: gl.as_ref(), ent: ent.as_ref().map(|(a, b)| (a, b)) },
             kept: match &kept {
-                Some((k, rows)) if *rows > 0 => Some((KeptOut { buf: k, rows: *rows, stride: crate::keep::stride(p.v), map: None }, *rows)),
+                Some((k, rows)) if *rows > 0 => Some((KeptOut { buf: k, rows: *rows, map: None }, *rows)),
                 _ => None,
             },
         };

@@ -223,7 +223,7 @@ impl LmHead {
         let dims = Dims { t: p.t, v: p.v, d: p.d };
         let x = LogitsIn { dims, sc, h: &h, w: &w, labels: &labels };
         let kept = match (&kept, kept_rows) {
-            (Some(k), rows) if rows > 0 => Some(launch::KeptOut { buf: k, rows, stride: crate::keep::stride(p.v), map: None }),
+            (Some(k), rows) if rows > 0 => Some(launch::KeptOut { buf: k, rows, map: None }),
             _ => None,
         };
         let f = FwdDev { x, shard, comm, logprob: &logprob, lse: &lse, entropy: entropy.as_ref(), kept };

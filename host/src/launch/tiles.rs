@@ -62,15 +62,14 @@ impl LogitsIn<'_, '_> {
 }
 
 /// The kept logits of a call (`crate::keep`): `buf` holds the planes of `rows` rows of the
-/// caller's call (`lmhead_core::kept`, row stride `stride`); a launch on compacted rows maps its row `i` to the caller's row `map[i]`
-/// (u32 `[launch rows]`; `None`: the identity). In the backward, the launch's rows
-/// `[0, prefix)` are read from it (their caller rows are below `rows`); the forward ignores
-/// `prefix`.
+/// caller's call (`lmhead_core::kept`, row stride `keep::stride(v)`); a launch on compacted rows
+/// maps its row `i` to the caller's row `map[i]` (u32 `[launch rows]`; `None`: the identity). In
+/// the backward, the launch's rows `[0, prefix)` are read from it (their caller rows are below
+/// `rows`); the forward ignores `prefix`.
 #[derive(Clone, Copy)]
 pub struct KeptOut<'a, 'b> {
     pub buf: &'b Dev<'a>,
     pub rows: usize,
-    pub stride: usize,
     pub map: Option<&'b Dev<'a>>,
 }
 
@@ -78,11 +77,11 @@ impl KeptOut<'_, '_> {
     /// The kept fields of a launch over `t` rows: the buffer holds `keep::rows_len` elements
     /// (16-byte aligned), the map `t` rows.
     fn fill(&self, t: usize, v: usize, p: &mut LogitsParams) -> Result<()> {
-        if self.stride != crate::keep::stride(v) || self.rows > u32::MAX as usize || self.rows == 0 {
-            return Err(Error::Config(format!("kept logits: {} rows of stride {} for v = {v}", self.rows, self.stride)));
+        if self.rows > u32::MAX as usize || self.rows == 0 {
+            return Err(Error::Config(format!("kept logits: {} rows for v = {v}", self.rows)));
         }
         p.kept = self.buf.check(crate::keep::rows_len(self.rows, v), 16)?;
-        p.kept_stride = self.stride as u64;
+        p.kept_stride = crate::keep::stride(v) as u64;
         p.kept_rows = self.rows as u32;
         p.kept_map = match self.map {
             Some(m) => m.check(t, 4)?,
