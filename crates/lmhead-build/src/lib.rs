@@ -449,9 +449,9 @@ pub fn resource_table(res: &BTreeMap<String, Resources>, module: Module) -> (Str
     (table, bad)
 }
 
-/// Dynamic shared memory of an entry, from its config.
+/// Dynamic shared memory of an entry, as the host launches it.
 fn smem_of(name: &str) -> Option<usize> {
-    lmhead_core::config::tuned_entries().into_iter().find(|(n, _)| n == name).map(|(_, c)| c.smem_bytes())
+    lmhead_core::config::entry_smem_bytes(name)
 }
 
 #[cfg(test)]

@@ -284,6 +284,17 @@ impl TileConfig {
         }
     }
 
+    /// Dynamic shared memory a launch of this config's `_keep` twin asks for
+    /// ([`Family::has_keep_twins`]): an sm90 forward's twin also has the output boxes of a
+    /// `tma_store` config after its ring (the kept logits leave through them); an `mma.sync`
+    /// one's stores from registers and asks for [`Self::smem_bytes`].
+    pub const fn keep_smem_bytes(self) -> usize {
+        match self.mainloop {
+            Mainloop::Sm90 { .. } => TileConfig { mainloop: Mainloop::Sm90 { store: Store::Tma }, ..self }.smem_bytes(),
+            Mainloop::MmaSync => self.smem_bytes(),
+        }
+    }
+
     /// The same tile with the register epilogue: a `tma_store` config's twin (itself for any
     /// other config). The host runs a `tma_store` `dh` on its twin where the TMA accumulator
     /// does not apply.
@@ -372,6 +383,23 @@ pub fn tuned_entries() -> std::vec::Vec<(std::string::String, TileConfig)> {
         }
     }
     out
+}
+
+/// Dynamic shared memory of the tuned entry point `name` (a candidate's or its `_keep`
+/// twin's), as the host launches it; `None` for any other name.
+#[cfg(feature = "std")]
+pub fn entry_smem_bytes(name: &str) -> Option<usize> {
+    for f in Family::ALL {
+        for &c in f.candidates() {
+            if kernel_name(f, c) == name {
+                return Some(c.smem_bytes());
+            }
+            if f.has_keep_twins() && keep_kernel_name(f, c) == name {
+                return Some(c.keep_smem_bytes());
+            }
+        }
+    }
+    None
 }
 
 /// Entry points that are not tuned: their names and the threads per block they are built for.
@@ -537,7 +565,12 @@ mod tests {
                 assert!(names.insert(kernel_name(f, c)), "duplicate name {}", kernel_name(f, c));
                 if f.has_keep_twins() {
                     assert!(names.insert(keep_kernel_name(f, c)));
+                    // The twin's boxes fit beside the ring, 1024-byte aligned.
+                    assert!(c.keep_smem_bytes() <= MAX_SMEM_PER_BLOCK, "{f:?} {c:?}: {} B", c.keep_smem_bytes());
+                    assert!(c.ring_bytes() % 1024 == 0 || !c.is_sm90());
+                    assert_eq!(entry_smem_bytes(&keep_kernel_name(f, c)), Some(c.keep_smem_bytes()));
                 }
+                assert_eq!(entry_smem_bytes(&kernel_name(f, c)), Some(c.smem_bytes()));
             }
         }
         for n in fixed::ALL {

@@ -135,21 +135,25 @@ pub fn fwd_mainloop(
         ..Default::default()
     };
     sc.fill(&mut p);
-    let name = match kept {
+    let mut ops = vec![TmaOperand::k_major(hp, dims.t, dims.d, dims.d, cfg.bm), TmaOperand::k_major(wp, dims.v, dims.d, dims.d, cfg.bn)];
+    let (name, smem) = match kept {
         Some(k) => {
             k.fill(dims.t, dims.v, &mut p)?;
-            keep_kernel_name(family, cfg)
+            // The sm90 twin stores the q plane of rows in the caller's order (no map) by TMA,
+            // through a third map over the plane's first `min(rows, t)` rows (16-bit elements:
+            // the copy moves bytes), which clips the rest of the rows and the columns past the
+            // stride.
+            if cfg.is_sm90() && k.map.is_none() {
+                ops.push(TmaOperand::k_major(p.kept, k.rows.min(dims.t), crate::keep::stride(dims.v), crate::keep::stride(dims.v), 64));
+            }
+            (keep_kernel_name(family, cfg), cfg.keep_smem_bytes())
         }
-        None => kernel_name(family, cfg),
+        None => (kernel_name(family, cfg), cfg.smem_bytes()),
     };
-    let (maps, tmaps) = tma_maps_for(
-        cfg,
-        stream,
-        &[TmaOperand::k_major(hp, dims.t, dims.d, dims.d, cfg.bm), TmaOperand::k_major(wp, dims.v, dims.d, dims.d, cfg.bn)],
-    )?;
+    let (maps, tmaps) = tma_maps_for(cfg, stream, &ops)?;
     p.tmaps = tmaps;
     let grid = (dims.t.div_ceil(cfg.bm as usize) as u32, n_slots);
-    launch(gpu, stream, &name, cfg.smem_bytes() as u32, grid, cfg.threads(), p)?;
+    launch(gpu, stream, &name, smem as u32, grid, cfg.threads(), p)?;
     drop(maps);
     Ok(plan)
 }

@@ -104,7 +104,8 @@ pub(super) fn encode_tmap(op: TmaOperand) -> Result<[u8; 128]> {
 }
 
 /// The tensor maps of a TMA launch (A, then B, then for a `tma_store` d-logits the staging
-/// buffer, for a `tma_store` `dh` the f32 accumulator) in device memory, 128 bytes apart,
+/// buffer, for a `tma_store` `dh` the f32 accumulator, for a `_keep` forward the kept q plane)
+/// in device memory, 128 bytes apart,
 /// stream-ordered before the kernel, and their device address. Keep the returned buffer until the
 /// launch is queued: dropping it frees it on the same stream, after the kernel. On a capturing
 /// stream the maps come from the process's [`Arena`] instead (no buffer is returned).

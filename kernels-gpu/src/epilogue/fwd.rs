@@ -97,8 +97,10 @@ pub unsafe fn store_partials<const BM: usize, const WN: usize, const MI: usize, 
 /// `s += 2^{y − m}` (and `t += 2^{u} u`) per column. Columns past `v` are padding: `acc = −∞`.
 ///
 /// With `KEEP`, also the kept logits of this thread's kept rows (`crate::epilogue::kept`): `q` of
-/// each column from the fold's `2^{y − m}`, the group maxima and the label's raw logit. The fold
-/// itself is the same arithmetic either way.
+/// each column from the fold's `2^{y − m}` as packed fp16 pairs into `qv` (`qv[mi][ni][h]`,
+/// columns `w.col(ni, 0)` and `+1` of row `w.row(mi, h)`; zero where a row has only padding),
+/// also stored here when `kept.direct`; the group maxima and the label's raw logit are stored
+/// here. The fold itself is the same arithmetic either way.
 ///
 /// # Safety
 /// The whole warp calls this converged; with `KEEP`, `p.kept` as `epilogue::kept::store_q`
@@ -114,6 +116,7 @@ pub(crate) unsafe fn fold_tile<const BN: usize, const MI: usize, const NI: usize
     z_label: &mut [[f32; 2]; MI],
     label: &[[i32; 2]; MI],
     kept: &KeptRows<MI>,
+    qv: &mut [[[u32; 2]; NI]; MI],
 ) {
     let scale2 = p.scale2;
     // n0 < v < 2^31 and BN ≤ 256: no overflow.
@@ -195,17 +198,36 @@ pub(crate) unsafe fn fold_tile<const BN: usize, const MI: usize, const NI: usize
                         }
                     });
                     if KEEP {
-                        let [g2, _] = qs[ni / 4];
-                        // SAFETY: the kept buffer per the caller's contract; columns are even.
-                        unsafe { kept::store_q(p, kept, mi, h, n0 + w.col(ni, 0), (q[0], q[1]), ni % 4 == 0 && first_lane, g2) };
+                        let pair = intrinsics::pack_f16x2(q[0], q[1]);
+                        qv[mi][ni][h] = pair;
+                        let c = n0 + w.col(ni, 0);
+                        // SAFETY: the kept buffer per the caller's contract; columns are even, and
+                        // `c` begins a group at `ni % 4 == 0` on the quad's first lane.
+                        unsafe {
+                            if kept.direct {
+                                kept::store_q(p, kept, mi, h, c, pair);
+                            }
+                            if ni % 4 == 0 && first_lane {
+                                kept::store_group_max(p, kept, mi, h, c, qs[ni / 4][0]);
+                            }
+                        }
                     }
                 });
                 st[mi][h] = x;
             } else if KEEP {
                 // All of this thread's columns are padding: q = 0, group maxima −∞ (never read).
                 unroll!(NI, |ni| {
+                    qv[mi][ni][h] = 0;
+                    let c = n0 + w.col(ni, 0);
                     // SAFETY: as above.
-                    unsafe { kept::store_q(p, kept, mi, h, n0 + w.col(ni, 0), (0.0, 0.0), ni % 4 == 0 && first_lane, gm[ni / 4] * scale2) };
+                    unsafe {
+                        if kept.direct {
+                            kept::store_q(p, kept, mi, h, c, 0);
+                        }
+                        if ni % 4 == 0 && first_lane {
+                            kept::store_group_max(p, kept, mi, h, c, gm[ni / 4] * scale2);
+                        }
+                    }
                 });
             }
         });

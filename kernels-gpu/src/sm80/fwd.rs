@@ -97,10 +97,12 @@ pub unsafe fn fwd<
         // The kept rows are looked up per tile (L1 hits), not held across the mainloop: the
         // instance without the mode then has no new variable, and its PTX stays the same.
         // SAFETY: the kept map per the kernel contract (not read without KEEP).
-        let kept = if KEEP { unsafe { kept_rows::<MI>(p, &w, m0) } } else { KeptRows::none() };
+        // Each thread stores its own pairs (`direct`; `qv` is then dead).
+        let kept = if KEEP { unsafe { kept_rows::<MI>(p, &w, m0, true) } } else { KeptRows::none() };
+        let mut qv = [[[0u32; 2]; NI]; MI];
         // SAFETY: every thread of the block runs this converged; the kept buffer per the kernel
         // contract.
-        unsafe { fold_tile::<BN, MI, NI, ENT, KEEP>(p, &w, n0, acc, &mut st, &mut z_label, &label, &kept) };
+        unsafe { fold_tile::<BN, MI, NI, ENT, KEEP>(p, &w, n0, acc, &mut st, &mut z_label, &label, &kept, &mut qv) };
     };
     // SAFETY: all threads call with the same trip counts; the ring is the dynamic shared memory.
     unsafe { mainloop::pipeline::<ST, Acc<MI, NI>>(ring, stage_bytes, n_tiles, kt, &mut acc, load, compute, finish) };
