@@ -173,7 +173,7 @@ pub unsafe fn tma_store(p: &UnitParams) {
         });
         // SAFETY: the whole warpgroup, twice; the two boxes are the launch's 16 KiB; the map per
         // the contract.
-        unsafe { out.store(&v, p.k0 + 64 * i as u32, p.row0) };
+        unsafe { out.store::<false>(&v, p.k0 + 64 * i as u32, p.row0) };
     });
     out.drain();
 }

@@ -107,7 +107,7 @@ pub unsafe fn store_partials<const BM: usize, const WN: usize, const MI: usize, 
 /// needs it.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn fold_tile<const BN: usize, const MI: usize, const NI: usize, const ENT: bool, const KEEP: bool>(
+pub(crate) unsafe fn fold_tile<const BN: usize, const MI: usize, const NI: usize, const ENT: bool, const KEEP: bool, const DEFER: bool>(
     p: &LogitsParams,
     w: &WarpPos,
     n0: u32,
@@ -204,16 +204,28 @@ pub(crate) unsafe fn fold_tile<const BN: usize, const MI: usize, const NI: usize
                         // SAFETY: the kept buffer per the caller's contract; columns are even, and
                         // `c` begins a group at `ni % 4 == 0` on the quad's first lane.
                         unsafe {
-                            if kept.direct {
+                            if !DEFER && kept.direct {
                                 kept::store_q(p, kept, mi, h, c, pair);
                             }
-                            if ni % 4 == 0 && first_lane {
+                            if !DEFER && ni % 4 == 0 && first_lane {
                                 kept::store_group_max(p, kept, mi, h, c, qs[ni / 4][0]);
                             }
                         }
                     }
                 });
                 st[mi][h] = x;
+                if KEEP && DEFER {
+                    // The same stores after the row's arithmetic, each kind behind one branch.
+                    // SAFETY: as above.
+                    unsafe {
+                        if kept.direct {
+                            unroll!(NI, |ni| { kept::store_q(p, kept, mi, h, n0 + w.col(ni, 0), qv[mi][ni][h]) });
+                        }
+                        if first_lane {
+                            unroll!(NI / 4, |g| { kept::store_group_max(p, kept, mi, h, n0 + w.col(4 * g, 0), qs[g][0]) });
+                        }
+                    }
+                }
             } else if KEEP {
                 // All of this thread's columns are padding: q = 0, group maxima −∞ (never read).
                 unroll!(NI, |ni| {

@@ -84,6 +84,32 @@ pub unsafe fn prefetch_tensormap(tmap: *const u8) {
     unsafe { asm!("prefetch.tensormap [{t}];", t = in(reg64) tmap, options(nostack, readonly)) };
 }
 
+/// An L2 cache policy (`createpolicy.fractional`, the whole access): evict-last, for the
+/// operand rows a block reads again at every tile of its walk ([`tma_load_2d_hint`]).
+#[inline(always)]
+pub fn l2_evict_last() -> u64 {
+    let pol: u64;
+    // SAFETY: creates a policy value in a register; no memory access.
+    unsafe { asm!("createpolicy.fractional.L2::evict_last.b64 {p}, 1.0;", p = out(reg64) pol, options(nostack, nomem, pure)) };
+    pol
+}
+
+/// [`tma_load_2d`] with the L2 cache policy `pol` ([`l2_evict_last`]) on the loaded lines.
+///
+/// # Safety
+/// As [`tma_load_2d`]; `pol` a policy made by `createpolicy`.
+#[inline(always)]
+pub unsafe fn tma_load_2d_hint(dst: SmemAddr, tmap: *const u8, c0: i32, c1: i32, mbar: SmemAddr, pol: u64) {
+    // SAFETY: the caller guarantees the map, the destination and the barrier.
+    unsafe {
+        asm!(
+            "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [{d}], [{t}, {{{c0}, {c1}}}], [{b}], {p};",
+            d = in(reg32) dst, t = in(reg64) tmap, c0 = in(reg32) c0, c1 = in(reg32) c1, b = in(reg32) mbar, p = in(reg64) pol,
+            options(nostack)
+        )
+    };
+}
+
 /// `cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes`: the tensor
 /// memory accelerator copies the box at coordinates `(c0, c1)` (innermost first) of the tensor
 /// described by `tmap` into shared memory at `dst`, zero-filling out-of-bounds elements, and
@@ -122,8 +148,29 @@ pub unsafe fn tma_load_2d(dst: SmemAddr, tmap: *const u8, c0: i32, c1: i32, mbar
 /// 128-byte swizzle) with the box's bytes, written before a `fence.proxy.async.shared::cta` by
 /// each writing thread (ordered before this call by a barrier), and not rewritten until the
 /// group's reads complete; the block must not exit before [`bulk_wait`] covers the group.
+///
+/// `EVICT_FIRST`: the copy's lines carry an L2 evict-first policy (`createpolicy.fractional`,
+/// `.L2::cache_hint`), for an output nothing reads again soon, so that it does not push the
+/// operands other blocks are about to load out of L2.
 #[inline(always)]
-pub unsafe fn tma_store_2d(tmap: *const u8, src: SmemAddr, c0: i32, c1: i32, issue: bool) {
+pub unsafe fn tma_store_2d<const EVICT_FIRST: bool>(tmap: *const u8, src: SmemAddr, c0: i32, c1: i32, issue: bool) {
+    if EVICT_FIRST {
+        // SAFETY: as below; the policy only changes how long the lines stay in L2.
+        unsafe {
+            asm!(
+                "{{",
+                ".reg .pred p;",
+                ".reg .b64 pol;",
+                "setp.ne.u32 p, {i}, 0;",
+                "createpolicy.fractional.L2::evict_first.b64 pol, 1.0;",
+                "@p cp.async.bulk.tensor.2d.global.shared::cta.bulk_group.L2::cache_hint [{t}, {{{c0}, {c1}}}], [{s}], pol;",
+                "}}",
+                t = in(reg64) tmap, c0 = in(reg32) c0, c1 = in(reg32) c1, s = in(reg32) src, i = in(reg32) issue as u32,
+                options(nostack)
+            )
+        };
+        return;
+    }
     // SAFETY: the caller guarantees the map, the source box and its lifetime.
     unsafe {
         asm!(

@@ -102,7 +102,7 @@ pub unsafe fn fwd<
         let mut qv = [[[0u32; 2]; NI]; MI];
         // SAFETY: every thread of the block runs this converged; the kept buffer per the kernel
         // contract.
-        unsafe { fold_tile::<BN, MI, NI, ENT, KEEP>(p, &w, n0, acc, &mut st, &mut z_label, &label, &kept, &mut qv) };
+        unsafe { fold_tile::<BN, MI, NI, ENT, KEEP, false>(p, &w, n0, acc, &mut st, &mut z_label, &label, &kept, &mut qv) };
     };
     // SAFETY: all threads call with the same trip counts; the ring is the dynamic shared memory.
     unsafe { mainloop::pipeline::<ST, Acc<MI, NI>>(ring, stage_bytes, n_tiles, kt, &mut acc, load, compute, finish) };

@@ -32,7 +32,7 @@ pub unsafe fn dlogits_tma_store<const BM: usize, const BN: usize, const ST: usiz
     let (m0, n0_first, n_tiles) = block_tiles::<BM, BN>(Grid { group: p.raster_group, per: p.tiles_per_split, n_total, fill: p.fill });
     let kt = p.d.div_ceil(BK as u32);
     // SAFETY: first call, by every thread; the kernel contract provides the maps.
-    unsafe { tma_split::<BM, BN, ST, WGM, false, false>(tid, p.tmaps, m0, p.v_chunk_begin + n0_first, n_tiles, kt) };
+    unsafe { tma_split::<BM, BN, ST, WGM, false, false, true>(tid, p.tmaps, m0, p.v_chunk_begin + n0_first, n_tiles, kt) };
     let w = warp_pos(tid);
     // SAFETY: buffers per the kernel contract.
     let coeffs = unsafe { row_coeffs::<1, ENT>(p, &w, m0) };
@@ -60,7 +60,7 @@ pub unsafe fn dlogits_tma_store<const BM: usize, const BN: usize, const ST: usiz
                 // SAFETY: every consumer thread of the warpgroup runs each finish; the
                 // boxes follow the ring per the kernel contract; the staging map is the
                 // third one; this block alone writes these rows and columns of the chunk.
-                unsafe { out.store(&v, c0, row) };
+                unsafe { out.store::<true>(&v, c0, row) };
             });
         });
     };

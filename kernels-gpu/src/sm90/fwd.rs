@@ -48,7 +48,7 @@ pub unsafe fn fwd_wg<
     let kt = p.d.div_ceil(BK as u32);
     let n0_first = work.first * BN as u32;
     // SAFETY: first call, by every thread; the kernel contract provides the maps.
-    unsafe { tma_split::<BM, BN, ST, WGM, false, false>(tid, p.tmaps, m0, n0_first, n_tiles, kt) };
+    unsafe { tma_split::<BM, BN, ST, WGM, false, false, true>(tid, p.tmaps, m0, n0_first, n_tiles, kt) };
     let w = warp_pos(tid);
 
     // ---- Prologue: per-row state and labels ------------------------------------------------
@@ -83,7 +83,7 @@ pub unsafe fn fwd_wg<
                 let mut qv = [[[0u32; 2]; 8]; 1];
                 // SAFETY: the consumer warps run this converged; the kept buffer per the kernel
                 // contract.
-                unsafe { fold_tile::<64, 1, 8, ENT, KEEP>(p, &w, c0, half(acc, nb, h), &mut st, &mut z_label, &label, &kept, &mut qv) };
+                unsafe { fold_tile::<64, 1, 8, ENT, KEEP, true>(p, &w, c0, half(acc, nb, h), &mut st, &mut z_label, &label, &kept, &mut qv) };
                 // A half tile from the stride on (the second 128 columns of a last 256-wide
                 // tile) has nothing to store; the condition is the warpgroup's (`c0`, `p`).
                 if KEEP && !direct && (c0 as u64) < p.kept_stride {
@@ -91,7 +91,7 @@ pub unsafe fn fwd_wg<
                     // the same number of times; the boxes follow the ring and the q plane's map
                     // is the third one (kernel contract); this block alone writes these rows
                     // and columns of it.
-                    unsafe { out.store(&qv[0], c0, wg_row) };
+                    unsafe { out.store::<true>(&qv[0], c0, wg_row) };
                 }
             });
         });

@@ -110,7 +110,7 @@ impl<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const 
     unsafe fn start(&mut self, job: &impl Job, t: Tiles) -> WarpPos {
         let kt = job.k().div_ceil(BK as u32);
         // SAFETY: first call, by every thread; the caller provides the maps.
-        unsafe { tma_split::<BM, BN, ST, WGM, AMN, BMN>(self.tid, job.tmaps(), t.m0, job.operands().b_row0 + t.n0, t.count, kt) };
+        unsafe { tma_split::<BM, BN, ST, WGM, AMN, BMN, false>(self.tid, job.tmaps(), t.m0, job.operands().b_row0 + t.n0, t.count, kt) };
         (self.n0_first, self.n_tiles, self.kt) = (t.n0, t.count, kt);
         warp_pos(self.tid)
     }

@@ -88,7 +88,15 @@ impl TmaRing {
 /// 128-byte swizzle: a K-major operand's map has 64 (K) × BM (or BN) boxes over `[rows][K]`, an
 /// MN-major one's 64 (MN) × 64 (K) boxes over `[K][MN]`.
 #[inline(always)]
-pub(super) unsafe fn tma_split<const BM: usize, const BN: usize, const ST: usize, const WGM: usize, const AMN: bool, const BMN: bool>(
+pub(super) unsafe fn tma_split<
+    const BM: usize,
+    const BN: usize,
+    const ST: usize,
+    const WGM: usize,
+    const AMN: bool,
+    const BMN: bool,
+    const A_STAYS: bool,
+>(
     tid: u32,
     tmaps: u64,
     m0: u32,
@@ -97,6 +105,8 @@ pub(super) unsafe fn tma_split<const BM: usize, const BN: usize, const ST: usize
     kt: u32,
 ) {
     const { assert!(BM == 64 * WGM && (BN == 128 || BN == 256) && ST >= 2 && ST <= 8) };
+    // The evict-last load is the K-major box of `tma_operand`.
+    const { assert!(!(A_STAYS && AMN)) };
     let r = TmaRing::new::<BM, BN, ST>();
     if tid == 0 {
         for s in 0..ST as u32 {
@@ -139,6 +149,7 @@ pub(super) unsafe fn tma_split<const BM: usize, const BN: usize, const ST: usize
             intrinsics::prefetch_tensormap(ta);
             intrinsics::prefetch_tensormap(tb);
         }
+        let pol = intrinsics::l2_evict_last();
         let (mut s, mut phase, mut tile, mut k) = (0u32, 0u32, 0u32, 0u32);
         let total = n_tiles * kt;
         let mut i = 0u32;
@@ -151,7 +162,11 @@ pub(super) unsafe fn tma_split<const BM: usize, const BN: usize, const ST: usize
             unsafe {
                 intrinsics::mbar_wait(r.empty(s), phase ^ 1);
                 intrinsics::mbar_arrive_expect_tx(r.full(s), r.stage_bytes);
-                tma_operand::<AMN, BM>(dst, ta, m0, k * BK as u32, r.full(s));
+                if A_STAYS {
+                    intrinsics::tma_load_2d_hint(dst, ta, (k * BK as u32) as i32, m0 as i32, r.full(s), pol);
+                } else {
+                    tma_operand::<AMN, BM>(dst, ta, m0, k * BK as u32, r.full(s));
+                }
                 tma_operand::<BMN, BN>(dst + r.a_bytes, tb, n0_first + tile * BN as u32, k * BK as u32, r.full(s));
             }
             k += 1;

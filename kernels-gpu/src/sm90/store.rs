@@ -60,7 +60,7 @@ impl StoreBoxes {
     /// whose in-bounds part only this block writes at these coordinates; [`Self::drain`] runs
     /// before the block exits.
     #[inline(always)]
-    pub(crate) unsafe fn store(&mut self, v: &[[u32; 2]; 8], col: u32, row: u32) {
+    pub(crate) unsafe fn store<const EVICT_FIRST: bool>(&mut self, v: &[[u32; 2]; 8], col: u32, row: u32) {
         let bx = self.first + (self.next & 1) * BOX_BYTES;
         intrinsics::bulk_wait_read::<1>();
         let i = self.lane >> 3;
@@ -78,7 +78,7 @@ impl StoreBoxes {
             });
             intrinsics::fence_proxy_async_shared();
             intrinsics::named_barrier_id(self.bar, 128);
-            intrinsics::tma_store_2d(self.map, bx, col as i32, row as i32, self.leader);
+            intrinsics::tma_store_2d::<EVICT_FIRST>(self.map, bx, col as i32, row as i32, self.leader);
         }
         intrinsics::bulk_commit();
         self.next += 1;
@@ -173,7 +173,7 @@ impl AccBoxes {
             });
             intrinsics::fence_proxy_async_shared();
             intrinsics::named_barrier_id(self.bar, 128);
-            intrinsics::tma_store_2d(self.map, bx, col as i32, row as i32, self.store);
+            intrinsics::tma_store_2d::<false>(self.map, bx, col as i32, row as i32, self.store);
             intrinsics::tma_reduce_add_2d(self.map, bx, col as i32, row as i32, self.add);
         }
         intrinsics::bulk_commit();
