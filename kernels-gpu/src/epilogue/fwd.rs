@@ -100,7 +100,9 @@ pub unsafe fn store_partials<const BM: usize, const WN: usize, const MI: usize, 
 /// each column from the fold's `2^{y − m}` as packed fp16 pairs into `qv` (`qv[mi][ni][h]`,
 /// columns `w.col(ni, 0)` and `+1` of row `w.row(mi, h)`; zero where a row has only padding),
 /// also stored here when `kept.direct`; the group maxima and the label's raw logit are stored
-/// here. The fold itself is the same arithmetic either way.
+/// here. The fold itself is the same arithmetic either way. `DEFER` (the Hopper forward's twin)
+/// issues those stores after each row's arithmetic instead of among it (measured a little
+/// faster there; the `mma.sync` twin keeps them among it, where deferring spilled).
 ///
 /// # Safety
 /// The whole warp calls this converged; with `KEEP`, `p.kept` as `epilogue::kept::store_q`

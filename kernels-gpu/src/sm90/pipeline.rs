@@ -76,7 +76,9 @@ impl TmaRing {
 /// block. The last warpgroup is the producer: its first thread walks the same `(tile, k)`
 /// sequence as the consumers and, for each, waits until the stage is free, then has the tensor
 /// memory accelerator load A's rows `m0 ..` and B's rows `n0_first + tile·BN ..` at depth `k·64`
-/// into it ([`tma_operand`]; `AMN` / `BMN`: that operand is MN-major); the producer threads then
+/// into it ([`tma_operand`]; `AMN` / `BMN`: that operand is MN-major; `A_STAYS`: A's K-major
+/// loads carry an L2 evict-last policy, for the rows a block re-reads at every tile of its walk
+/// while an output stream passes through L2); the producer threads then
 /// exit (they never return from this function). The first `WGM`
 /// warpgroups return, with more registers, to run the prologue, [`tma_pipeline`] and the
 /// epilogue.
