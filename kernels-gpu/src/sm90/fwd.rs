@@ -83,7 +83,9 @@ pub unsafe fn fwd_wg<
                 let mut qv = [[[0u32; 2]; 8]; 1];
                 // SAFETY: the consumer warps run this converged; the kept buffer per the kernel
                 // contract.
-                unsafe { fold_tile::<64, 1, 8, ENT, KEEP, true>(p, &w, c0, half(acc, nb, h), &mut st, &mut z_label, &label, &kept, &mut qv) };
+                unsafe {
+                    fold_tile::<64, 1, 8, ENT, KEEP, true>(p, &w, c0, half(acc, nb, h), &mut st, &mut z_label, &label, &kept, &mut qv)
+                };
                 // A half tile from the stride on (the second 128 columns of a last 256-wide
                 // tile) has nothing to store; the condition is the warpgroup's (`c0`, `p`).
                 if KEEP && !direct && (c0 as u64) < p.kept_stride {
